@@ -1,0 +1,3 @@
+"""Dashboards: read the analysis DB only (Streamlit pages, the report)."""
+
+__all__: list[str] = []

@@ -1,0 +1,387 @@
+"""The spine's contract: every lake and analysis table, declared once.
+
+The lake writer, the DuckDB views, the generated docs page (docs/schema.md) and the tests
+all read these declarations. Names carry units (``_ns``, ``_ms``, ``_bytes``, ``_tokens``,
+``_blocks``, ``_ratio``); times are int64 nanoseconds since the Unix epoch (UTC); block
+hashes are UBIGINT. Closed vocabularies are StrEnums mirrored as DuckDB ENUM types.
+
+Lake tables are partitioned ``<table>/scenario=NAME/date=YYYY-MM-DD/``: ``scenario`` lives
+in the path, not in the Parquet file, and comes back as a column through the views.
+"""
+
+from __future__ import annotations
+
+import builtins
+import enum
+from dataclasses import dataclass
+
+import pyarrow as pa
+
+__all__ = [
+    "ANALYSIS_TABLES",
+    "ENUMS",
+    "LAKE_TABLES",
+    "SCHEMA_VERSION",
+    "TABLES",
+    "Column",
+    "EventKind",
+    "Medium",
+    "Outcome",
+    "RoutingPolicy",
+    "Table",
+    "TransferStatus",
+    "arrow_schema",
+    "render_markdown",
+]
+
+SCHEMA_VERSION = 1
+
+
+class EventKind(enum.StrEnum):
+    """What a KV-cache event did to a block."""
+
+    STORED = "stored"
+    REMOVED = "removed"
+    CLEARED = "cleared"
+
+
+class Medium(enum.StrEnum):
+    """The tier a block lives in (vLLM GPU/CPU/STORAGE, SGLang GPU/CPU_PINNED/DISK/EXTERNAL)."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+    DISK = "disk"
+    POOL = "pool"
+    UNKNOWN = "unknown"
+
+
+class Outcome(enum.StrEnum):
+    """One outcome per needed full block, decided in this order (DESIGN.md section 1)."""
+
+    HIT_LOCAL = "hit_local"
+    HIT_OFFLOAD = "hit_offload"
+    HIT_REMOTE = "hit_remote"
+    RECOMPUTED_LAST = "recomputed_last"
+    MISS_LOAD_FAILED = "miss_load_failed"
+    MISS_AFTER_GAP = "miss_after_gap"
+    MISS_ROUTING = "miss_routing"
+    MISS_EVICTED = "miss_evicted"
+    MISS_INCOMPATIBLE = "miss_incompatible"
+    MISS_COLD = "miss_cold"
+
+
+class TransferStatus(enum.StrEnum):
+    OK = "ok"
+    TIMEOUT = "timeout"
+    ERROR = "error"
+    INCOMPATIBLE = "incompatible"
+
+
+class RoutingPolicy(enum.StrEnum):
+    ROUND_ROBIN = "round_robin"
+    RANDOM = "random"
+    SESSION_AFFINITY = "session_affinity"
+    PREFIX_HASH = "prefix_hash"
+    CACHE_AWARE = "cache_aware"
+
+
+# DuckDB ENUM type name -> the StrEnum it mirrors.
+ENUMS: dict[str, type[enum.StrEnum]] = {
+    "event_kind": EventKind,
+    "medium": Medium,
+    "outcome": Outcome,
+    "transfer_status": TransferStatus,
+    "routing_policy": RoutingPolicy,
+}
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str  # a DuckDB type, or the name of one of ENUMS
+    doc: str
+    unit: str = ""
+
+    @property
+    def enum(self) -> builtins.type[enum.StrEnum] | None:  # `type` is a field name here
+        return ENUMS.get(self.type)
+
+
+@dataclass(frozen=True)
+class Table:
+    name: str
+    kind: str  # "lake" (sources and the simulator write it) or "analysis" (kvlens analyze)
+    doc: str
+    columns: tuple[Column, ...]
+    time_column: str | None = None  # its date partitions a lake table
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(c.name for c in self.columns)
+
+    def column(self, name: str) -> Column:
+        for c in self.columns:
+            if c.name == name:
+                return c
+        raise KeyError(f"{self.name} has no column {name!r}")
+
+    @property
+    def file_columns(self) -> tuple[Column, ...]:
+        """Columns stored inside a lake segment (scenario lives in the partition path)."""
+        return tuple(c for c in self.columns if c.name != "scenario")
+
+
+def _c(name: str, type_: str, doc: str, unit: str = "") -> Column:
+    return Column(name, type_, doc, unit)
+
+
+_SCENARIO = _c("scenario", "VARCHAR", "where the rows came from: `live`, an import name, or a what-if")
+
+KV_EVENTS = Table("kv_events", "lake", "One row per block hash per KV-cache event.", (
+    _c("ts_ns", "BIGINT", "event time as the engine stamped it", "ns"),
+    _c("recv_ns", "BIGINT", "time the collector received the batch", "ns"),
+    _SCENARIO,
+    _c("replica", "VARCHAR", "serving replica (engine instance) that emitted the event"),
+    _c("dp_rank", "INTEGER", "data-parallel rank within the replica, when reported"),
+    _c("seq", "UBIGINT", "publisher's batch sequence number"),
+    _c("kind", "event_kind", "stored, removed, or cleared (a cleared row has no block)"),
+    _c("block_hash", "UBIGINT", "engine block hash, normalised to unsigned 64-bit"),
+    _c("parent_hash", "UBIGINT", "hash of the previous block in the chain; NULL for a root"),
+    _c("position", "INTEGER", "block index in its chain when known", "blocks"),
+    _c("block_tokens", "INTEGER", "tokens in the block", "tokens"),
+    _c("medium", "medium", "tier the block lives in"),
+    _c("group_idx", "INTEGER", "KV cache group (hybrid models)"),
+    _c("spec_kind", "VARCHAR", "KV cache spec kind of the group, when reported"),
+    _c("lora_name", "VARCHAR", "LoRA adapter the block was computed under"),
+    _c("extra_key", "VARCHAR", "other hash inputs (cache salt, multimodal ids), as published"),
+    _c("content_hash", "UBIGINT", "chained hash of the block's token ids alone (no extra keys, no model)"),
+    _c("namespace", "VARCHAR", "cache-key namespace: model, revision, LoRA, salt, block size, algo"),
+    _c("session_id", "VARCHAR", "conversation or session, when known"),
+    _c("locality", "VARCHAR", "where the publisher runs (node, zone), when known"),
+), time_column="ts_ns")
+
+REQUESTS = Table("requests", "lake", "One row per request.", (
+    _c("request_id", "VARCHAR", "request id as the source gave it"),
+    _SCENARIO,
+    _c("arrival_ns", "BIGINT", "arrival at the serving replica (or gateway)", "ns"),
+    _c("first_token_ns", "BIGINT", "first output token", "ns"),
+    _c("end_ns", "BIGINT", "last output token", "ns"),
+    _c("replica", "VARCHAR", "replica that served it; NULL when the source does not say"),
+    _c("model", "VARCHAR", "model name"),
+    _c("tenant", "VARCHAR", "tenant (as given, or hashed with --hash-tenants)"),
+    _c("session_id", "VARCHAR", "conversation or session"),
+    _c("prompt_tokens", "INTEGER", "prompt length", "tokens"),
+    _c("output_tokens", "INTEGER", "generated length", "tokens"),
+    _c("cached_tokens", "INTEGER", "prefix-cache hit tokens as the engine reported", "tokens"),
+    _c("ttft_ms", "DOUBLE", "time to first token", "ms"),
+    _c("queue_ms", "DOUBLE", "time in queue", "ms"),
+    _c("prefill_ms", "DOUBLE", "time in prefill", "ms"),
+    _c("source", "VARCHAR", "format the row came from (mooncake, bailian, gateway, otlp, sim, ...)"),
+), time_column="arrival_ns")
+
+REQUEST_BLOCKS = Table("request_blocks", "lake", "One row per block a request's prompt needs.", (
+    _c("request_id", "VARCHAR", "the request"),
+    _SCENARIO,
+    _c("arrival_ns", "BIGINT", "the request's arrival (orders the access stream)", "ns"),
+    _c("position", "INTEGER", "block index in the prompt, from 0", "blocks"),
+    _c("block_hash", "UBIGINT", "prefix-chained block key"),
+    _c("content_hash", "UBIGINT", "chained hash of token content alone, when known"),
+    _c("block_tokens", "INTEGER", "tokens in the block; fewer than block_size_tokens for a partial tail",
+       "tokens"),
+    _c("block_size_tokens", "INTEGER", "the cache's block size; only full blocks can be reused", "tokens"),
+    _c("namespace", "VARCHAR", "cache-key namespace the key was computed in"),
+), time_column="arrival_ns")
+
+TRANSFERS = Table("transfers", "lake", "One row per KV load or store between tiers, replicas or the pool.", (
+    _c("request_id", "VARCHAR", "request the transfer served"),
+    _SCENARIO,
+    _c("ts_ns", "BIGINT", "start of the transfer", "ns"),
+    _c("replica", "VARCHAR", "replica that received the bytes"),
+    _c("origin", "VARCHAR", "where they came from: a replica name, `pool`, or a tier"),
+    _c("block_hash", "UBIGINT", "block moved; NULL when only a count is known"),
+    _c("blocks", "INTEGER", "blocks moved", "blocks"),
+    _c("bytes", "BIGINT", "bytes moved", "bytes"),
+    _c("duration_ms", "DOUBLE", "transfer time", "ms"),
+    _c("status", "transfer_status", "ok, timeout, error, incompatible"),
+), time_column="ts_ns")
+
+METRIC_SAMPLES = Table("metric_samples", "lake", "One row per scraped Prometheus sample.", (
+    _c("ts_ns", "BIGINT", "scrape time", "ns"),
+    _SCENARIO,
+    _c("replica", "VARCHAR", "replica scraped"),
+    _c("name", "VARCHAR", "metric name, as exposed"),
+    _c("labels", "MAP(VARCHAR, VARCHAR)", "label set"),
+    _c("value", "DOUBLE", "sample value"),
+), time_column="ts_ns")
+
+PROBE_RUNS = Table("probe_runs", "lake", "One row per GPU-probe measurement.", (
+    _c("run_id", "VARCHAR", "one probe invocation"),
+    _SCENARIO,
+    _c("ts_ns", "BIGINT", "measurement time", "ns"),
+    _c("device", "VARCHAR", "device name"),
+    _c("path", "VARCHAR", "what was measured: h2d_pinned, prefill, ..."),
+    _c("model", "VARCHAR", "model geometry used"),
+    _c("prefix_tokens", "INTEGER", "prefix length", "tokens"),
+    _c("kv_bytes", "BIGINT", "KV bytes of that prefix", "bytes"),
+    _c("ms", "DOUBLE", "median time", "ms"),
+    _c("gbps", "DOUBLE", "achieved bandwidth", "GB/s"),
+    _c("byte_exact", "BOOLEAN", "destination equals source byte for byte"),
+    _c("source", "VARCHAR", "gpu, cpu or model"),
+), time_column="ts_ns")
+
+_OUTCOME_KEY = (_SCENARIO, _c("replica", "VARCHAR", "serving replica"))
+
+BLOCK_OUTCOMES = Table("block_outcomes", "analysis", "One outcome per needed full block per request.", (
+    _SCENARIO,
+    _c("request_id", "VARCHAR", "the request"),
+    _c("replica", "VARCHAR", "serving replica"),
+    _c("arrival_ns", "BIGINT", "the request's arrival", "ns"),
+    _c("position", "INTEGER", "block index in the prompt", "blocks"),
+    _c("block_hash", "UBIGINT", "block key"),
+    _c("outcome", "outcome", "hit or miss cause"),
+    _c("tokens", "INTEGER", "tokens of the block", "tokens"),
+    _c("bytes", "BIGINT", "KV bytes of the block", "bytes"),
+    _c("holder", "VARCHAR", "for miss_routing: a replica (or `pool`) that held it"),
+    _c("removed_ns", "BIGINT", "for miss_evicted: when it was last removed", "ns"),
+    _c("remover", "VARCHAR", "for miss_evicted: where it was removed from"),
+    _c("key_diff", "VARCHAR", "for miss_incompatible: the namespace it was stored under"),
+))
+
+MISS_LEDGER = Table("miss_ledger", "analysis", "Blocks, tokens and bytes per outcome per replica.", (
+    *_OUTCOME_KEY,
+    _c("outcome", "outcome", "hit or miss cause"),
+    _c("blocks", "BIGINT", "blocks", "blocks"),
+    _c("tokens", "BIGINT", "tokens", "tokens"),
+    _c("bytes", "BIGINT", "KV bytes", "bytes"),
+))
+
+REUSE = Table("reuse", "analysis", "Reuse distance per re-access, per stream.", (
+    _SCENARIO,
+    _c("stream", "VARCHAR", "access stream: requests, a replica/tier, fleet, or a prefix group"),
+    _c("block_hash", "UBIGINT", "block re-accessed"),
+    _c("ts_ns", "BIGINT", "time of the re-access", "ns"),
+    _c("distance_blocks", "BIGINT", "distinct blocks touched since the previous access", "blocks"),
+    _c("distance_bytes", "BIGINT", "distinct bytes touched since the previous access", "bytes"),
+    _c("interval_ns", "BIGINT", "time since the previous access", "ns"),
+))
+
+MRC = Table("mrc", "analysis", "LRU hit ratio against capacity, per stream.", (
+    _SCENARIO,
+    _c("stream", "VARCHAR", "access stream (`requests`: every request_blocks row in arrival order)"),
+    _c("method", "VARCHAR", "exact, or shards (sampled)"),
+    _c("capacity_blocks", "BIGINT", "cache capacity", "blocks"),
+    _c("capacity_bytes", "BIGINT", "cache capacity", "bytes"),
+    _c("hit_ratio_blocks", "DOUBLE", "hits over accesses, by blocks", "ratio"),
+    _c("hit_ratio_bytes", "DOUBLE", "hit bytes over accessed bytes", "ratio"),
+))
+
+FLOWS = Table("flows", "analysis", "Bytes read, written and copied per tier and replica per window.", (
+    *_OUTCOME_KEY,
+    _c("window_start_ns", "BIGINT", "start of the window", "ns"),
+    _c("tier", "medium", "tier"),
+    _c("read_bytes", "BIGINT", "bytes loaded from the tier", "bytes"),
+    _c("write_bytes", "BIGINT", "bytes stored into the tier", "bytes"),
+    _c("replica_bytes", "BIGINT", "bytes copied between replicas", "bytes"),
+    _c("never_read_bytes", "BIGINT", "bytes written and removed without a read", "bytes"),
+))
+
+LATENCY_TAILS = Table("latency_tails", "analysis", "TTFT percentiles per replica, window and prefix class.", (
+    *_OUTCOME_KEY,
+    _c("window_start_ns", "BIGINT", "start of the window", "ns"),
+    _c("prefix_class", "VARCHAR", "full_hit, partial_hit, or miss by dominant cause"),
+    _c("requests", "BIGINT", "requests in the cell"),
+    _c("ttft_p50_ms", "DOUBLE", "TTFT median", "ms"),
+    _c("ttft_p95_ms", "DOUBLE", "TTFT 95th percentile", "ms"),
+    _c("ttft_p99_ms", "DOUBLE", "TTFT 99th percentile", "ms"),
+    _c("p99_p50_ratio", "DOUBLE", "tail ratio; flagged above 5", "ratio"),
+    _c("queue_p50_ms", "DOUBLE", "queue time median", "ms"),
+))
+
+PREFIX_RANKING = Table("prefix_ranking", "analysis",
+                       "Prefix groups ranked by expected benefit of publishing.", (
+    _SCENARIO,
+    _c("prefix_hash", "UBIGINT", "last block of the prefix chain"),
+    _c("prefix_tokens", "BIGINT", "tokens in the prefix", "tokens"),
+    _c("reuses", "BIGINT", "re-accesses"),
+    _c("replicas", "BIGINT", "replicas that needed it"),
+    _c("bytes", "BIGINT", "KV bytes of the prefix", "bytes"),
+    _c("benefit_ms", "DOUBLE", "expected benefit of publishing", "ms"),
+    _c("recommendation", "VARCHAR", "publish / pin / keep local / do not publish"),
+    _c("reason", "VARCHAR", "the reason in words"),
+))
+
+HYGIENE = Table("hygiene", "analysis", "Requests whose chains split early before repeated content.", (
+    _SCENARIO,
+    _c("request_id", "VARCHAR", "the request"),
+    _c("split_position", "INTEGER", "block index where the chain diverged", "blocks"),
+    _c("lost_tokens", "BIGINT", "tokens reusable if the dynamic part moved to the end", "tokens"),
+    _c("lost_bytes", "BIGINT", "their KV bytes", "bytes"),
+))
+
+ISOLATION_FINDINGS = Table("isolation_findings", "analysis",
+                           "Cross-tenant reuse and incompatible cache keys.", (
+    _SCENARIO,
+    _c("finding", "VARCHAR", "cross_tenant_reuse, or incompatible_keys"),
+    _c("subject", "VARCHAR", "tenants, or replicas, involved"),
+    _c("blocks", "BIGINT", "blocks involved", "blocks"),
+    _c("detail", "VARCHAR", "the finding in words"),
+))
+
+WARMUP = Table("warmup", "analysis", "Time to a steady hit ratio for each new replica.", (
+    *_OUTCOME_KEY,
+    _c("first_request_ns", "BIGINT", "first request served", "ns"),
+    _c("steady_after_ns", "BIGINT", "time until the hit ratio reached the fleet's steady level", "ns"),
+    _c("prewarm_bytes", "BIGINT", "bytes a pre-warm of the hot prefixes would move", "bytes"),
+))
+
+LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
+ANALYSIS_TABLES: tuple[Table, ...] = (
+    BLOCK_OUTCOMES, MISS_LEDGER, REUSE, MRC, FLOWS, LATENCY_TAILS, PREFIX_RANKING, HYGIENE,
+    ISOLATION_FINDINGS, WARMUP,
+)
+TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}
+
+_ARROW = {
+    "BIGINT": pa.int64(),
+    "UBIGINT": pa.uint64(),
+    "INTEGER": pa.int32(),
+    "DOUBLE": pa.float64(),
+    "BOOLEAN": pa.bool_(),
+    "VARCHAR": pa.string(),
+    "MAP(VARCHAR, VARCHAR)": pa.map_(pa.string(), pa.string()),
+}
+
+
+def arrow_type(column: Column) -> pa.DataType:
+    # Enum columns are stored as strings in Parquet; the views cast them to the ENUM type.
+    return pa.string() if column.enum else _ARROW[column.type]
+
+
+def arrow_schema(table: Table) -> pa.Schema:
+    """The Arrow schema of one lake segment of ``table`` (no ``scenario``: it is the path)."""
+    return pa.schema([pa.field(c.name, arrow_type(c)) for c in table.file_columns])
+
+
+def render_markdown() -> str:
+    """docs/schema.md, generated; tests fail when the committed page differs."""
+    out = [
+        "# kvlens schema",
+        "",
+        f"Generated from `kvlens/schema.py` (schema version {SCHEMA_VERSION}) by "
+        "`kvlens schema --markdown`; do not edit by hand.",
+        "",
+        "Times are int64 nanoseconds since the Unix epoch (UTC). Lake tables are partitioned "
+        "`<table>/scenario=NAME/date=YYYY-MM-DD/`.",
+        "",
+        "## Vocabularies",
+        "",
+    ]
+    for type_name, enum_cls in ENUMS.items():
+        out.append(f"- `{type_name}`: " + ", ".join(f"`{m.value}`" for m in enum_cls))
+    for kind, tables in (("Lake tables", LAKE_TABLES), ("Analysis tables", ANALYSIS_TABLES)):
+        out += ["", f"## {kind}"]
+        for t in tables:
+            out += ["", f"### `{t.name}`", "", t.doc, "", "| column | type | unit | meaning |",
+                    "|---|---|---|---|"]
+            out += [f"| `{c.name}` | {c.type} | {c.unit} | {c.doc} |" for c in t.columns]
+    return "\n".join(out) + "\n"
