@@ -1,0 +1,407 @@
+"""The spine's storage: immutable Parquet segments in a hive-partitioned lake, and DuckDB views.
+
+Layout: ``LAKE/<table>/scenario=NAME/date=YYYY-MM-DD/<writer>-<n>.parquet``.
+
+- A segment is written under a hidden temporary name, fsynced, then renamed, so a reader
+  (any glob on ``*.parquet``) never sees half a segment.
+- A writer opened with ``replace=True`` writes into ``LAKE/.staging/`` and, on ``commit()``,
+  swaps the scenario's directory of its table whole: a re-import replaces, never duplicates.
+  A process killed before the commit leaves only staging files, which no view reads.
+- Each segment carries its writer's checkpoint (a JSON dict) in the Parquet key-value
+  metadata; ``latest_checkpoint`` returns the newest one, so a restarted collector resumes.
+- Memory is bounded by ``flush_rows``: reaching it flushes synchronously, which is the
+  back-pressure a fast producer feels when the disk is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from kvlens.errors import ConfigError, SchemaVersionError
+from kvlens.schema import ENUMS, LAKE_TABLES, SCHEMA_VERSION, TABLES, Table, arrow_schema
+
+__all__ = [
+    "SegmentWriter",
+    "compact",
+    "create_enum_types",
+    "lake_info",
+    "latest_checkpoint",
+    "open_lake",
+    "segment_files",
+]
+
+log = logging.getLogger(__name__)
+
+_NS_PER_DAY = 86_400 * 1_000_000_000
+_MARKER = "_kvlens.json"
+_CHECKPOINT_KEY = b"kvlens.checkpoint"
+_VERSION_KEY = b"kvlens.schema_version"
+_WRITER_KEY = b"kvlens.writer"
+_SEGMENT_RE = re.compile(r"^(?P<writer>.+)-(?P<n>\d{20})\.parquet$")
+_SCENARIO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def _check_scenario(scenario: str) -> str:
+    if not _SCENARIO_RE.match(scenario):
+        raise ConfigError(
+            f"scenario name {scenario!r} is not usable as a directory name: "
+            "use letters, digits, '_', '-' and '.', starting with a letter or digit"
+        )
+    return scenario
+
+
+def lake_info(lake: str | Path, *, create: bool = False) -> dict[str, Any]:
+    """The lake's marker (schema version); creates the lake when asked; checks the version."""
+    root = Path(lake)
+    marker = root / _MARKER
+    if marker.exists():
+        info: dict[str, Any] = json.loads(marker.read_text())
+        if info.get("schema_version") != SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"lake {root} has schema v{info.get('schema_version')}, kvlens expects "
+                f"v{SCHEMA_VERSION}: re-import its sources into a new lake"
+            )
+        return info
+    info = {"schema_version": SCHEMA_VERSION}
+    if create:
+        root.mkdir(parents=True, exist_ok=True)
+        _atomic_write_bytes(marker, json.dumps(info).encode())
+    return info
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+class SegmentWriter:
+    """Buffers rows for one lake table and writes each flush as immutable segments.
+
+    Rows arrive as dicts (``append_rows``), columns (``append_columns``) or Arrow data
+    (``append_arrow``); columns the source lacks are NULL. Use as a context manager: an
+    exception aborts (staged segments are removed), a clean exit flushes and commits.
+    """
+
+    def __init__(
+        self,
+        lake: str | os.PathLike[str],
+        table: str | Table,
+        *,
+        scenario: str = "default",
+        writer_id: str = "kvlens",
+        replace: bool = False,
+        flush_rows: int = 1_000_000,
+        flush_age_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.table = TABLES[table] if isinstance(table, str) else table
+        if self.table.kind != "lake":
+            raise ConfigError(f"{self.table.name} is an analysis table, not a lake table")
+        if "/" in writer_id or not writer_id:
+            raise ConfigError(f"writer id {writer_id!r} must be a non-empty name without '/'")
+        self.lake = Path(lake)
+        lake_info(self.lake, create=True)
+        self.scenario = _check_scenario(scenario)
+        self.writer_id = writer_id
+        self.replace = replace
+        self.flush_rows = flush_rows
+        self.flush_age_s = flush_age_s
+        self.clock = clock
+        self.schema = arrow_schema(self.table)
+        self.rows_written = 0
+        self.segments_written = 0
+        self._chunks: list[pa.Table] = []
+        self._buffered = 0
+        self._oldest: float | None = None
+        self._last_n = 0
+        self._closed = False
+        final_dir = self.lake / self.table.name / f"scenario={self.scenario}"
+        if replace:
+            token = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+            self._stage_root = self.lake / ".staging" / token
+            self._target = self._stage_root / self.table.name / f"scenario={self.scenario}"
+        else:
+            self._target = final_dir
+        self._final = final_dir
+
+    # -- appending -----------------------------------------------------------------------
+
+    @property
+    def buffered_rows(self) -> int:
+        return self._buffered
+
+    def append_rows(self, rows: Iterable[Mapping[str, Any]]) -> None:
+        self._add(pa.Table.from_pylist(list(rows), schema=self.schema))
+
+    def append_columns(self, columns: Mapping[str, Any]) -> None:
+        """Append equal-length columns (lists or NumPy arrays) keyed by column name."""
+        lengths = {len(v) for v in columns.values()}
+        if len(lengths) != 1:
+            raise ValueError(f"columns for {self.table.name} differ in length: {sorted(lengths)}")
+        n = lengths.pop()
+        arrays = [
+            pa.array(columns[f.name], type=f.type) if f.name in columns else pa.nulls(n, f.type)
+            for f in self.schema
+        ]
+        unknown = set(columns) - set(self.schema.names) - {"scenario"}
+        if unknown:
+            raise ValueError(f"{self.table.name} has no column(s) {sorted(unknown)}")
+        self._add(pa.Table.from_arrays(arrays, schema=self.schema))
+
+    def append_arrow(self, data: pa.Table | pa.RecordBatch) -> None:
+        t = pa.Table.from_batches([data]) if isinstance(data, pa.RecordBatch) else data
+        n = t.num_rows
+        arrays = [
+            t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(n, f.type)
+            for f in self.schema
+        ]
+        self._add(pa.Table.from_arrays(arrays, schema=self.schema))
+
+    def _add(self, t: pa.Table) -> None:
+        if self._closed:
+            raise RuntimeError("append to a closed SegmentWriter")
+        if t.num_rows == 0:
+            return
+        self._chunks.append(t)
+        self._buffered += t.num_rows
+        if self._oldest is None:
+            self._oldest = self.clock()
+        if self._buffered >= self.flush_rows:
+            self.flush()
+        else:
+            self.maybe_flush()
+
+    def maybe_flush(self, checkpoint: Mapping[str, Any] | None = None) -> bool:
+        """Flush when the oldest buffered row is older than ``flush_age_s``."""
+        if (self.flush_age_s is not None and self._oldest is not None
+                and self.clock() - self._oldest >= self.flush_age_s):
+            self.flush(checkpoint)
+            return True
+        return False
+
+    # -- writing -------------------------------------------------------------------------
+
+    def flush(self, checkpoint: Mapping[str, Any] | None = None) -> int:
+        """Write the buffer as one segment per date; returns the rows written.
+
+        With an empty buffer and a checkpoint, an empty segment records the checkpoint.
+        """
+        if not self._chunks and checkpoint is None:
+            return 0
+        data = pa.concat_tables(self._chunks) if self._chunks else self.schema.empty_table()
+        self._chunks, self._buffered, self._oldest = [], 0, None
+        meta = {
+            _VERSION_KEY: str(SCHEMA_VERSION).encode(),
+            _WRITER_KEY: self.writer_id.encode(),
+            _CHECKPOINT_KEY: json.dumps(dict(checkpoint or {})).encode(),
+        }
+        data = data.replace_schema_metadata(meta)
+        for date, part in self._split_by_date(data):
+            self._write_segment(date, part)
+        self.rows_written += data.num_rows
+        return data.num_rows
+
+    def _split_by_date(self, data: pa.Table) -> list[tuple[str, pa.Table]]:
+        tcol = self.table.time_column
+        if tcol is None or data.num_rows == 0:
+            return [("1970-01-01", data)]
+        days = pc.fill_null(pc.divide(data.column(tcol), _NS_PER_DAY), 0)
+        unique = pc.unique(days).to_pylist()
+        if len(unique) == 1:
+            return [(_day_str(unique[0]), data)]
+        return [(_day_str(d), data.filter(pc.equal(days, d))) for d in sorted(unique)]
+
+    def _next_name(self) -> str:
+        # Names sort in write order across restarts: the number is a wall-clock nanosecond
+        # stamp, forced to grow within the process.
+        n = max(time.time_ns(), self._last_n + 1)
+        self._last_n = n
+        return f"{self.writer_id}-{n:020d}.parquet"
+
+    def _write_segment(self, date: str, part: pa.Table) -> None:
+        directory = self._target / f"date={date}"
+        directory.mkdir(parents=True, exist_ok=True)
+        name = self._next_name()
+        tmp = directory / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            pq.write_table(part, f, compression="snappy")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+        _fsync_dir(directory)
+        self.segments_written += 1
+
+    # -- finishing -----------------------------------------------------------------------
+
+    def commit(self, checkpoint: Mapping[str, Any] | None = None) -> None:
+        """Flush; with ``replace``, swap the staged scenario in place of the old one."""
+        self.flush(checkpoint)
+        self._closed = True
+        if not self.replace:
+            return
+        self._target.mkdir(parents=True, exist_ok=True)
+        self._final.parent.mkdir(parents=True, exist_ok=True)
+        _swap_dir(self._target, self._final, self.lake)
+        shutil.rmtree(self._stage_root, ignore_errors=True)
+
+    def abort(self) -> None:
+        """Drop the buffer; with ``replace``, remove everything staged."""
+        self._chunks, self._buffered, self._closed = [], 0, True
+        if self.replace:
+            shutil.rmtree(self._stage_root, ignore_errors=True)
+
+    def __enter__(self) -> SegmentWriter:
+        return self
+
+    def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if self._closed:
+            return
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def _day_str(day: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(int(day) * 86_400))
+
+
+def _swap_dir(new: Path, final: Path, lake: Path) -> None:
+    """Put ``new`` where ``final`` is, each step a rename: readers see old or new, never a mix."""
+    trash = lake / ".trash" / f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
+    if final.exists():
+        trash.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(final, trash)
+    os.replace(new, final)
+    _fsync_dir(final.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def segment_files(lake: str | Path, table: str, scenario: str | None = None) -> list[Path]:
+    """Committed segments of one table (optionally one scenario), in name order."""
+    base = Path(lake) / table
+    pattern = f"scenario={scenario}/date=*/*.parquet" if scenario else "scenario=*/date=*/*.parquet"
+    return sorted(base.glob(pattern))
+
+
+def latest_checkpoint(lake: str | Path, writer: str) -> dict[str, Any] | None:
+    """The checkpoint of ``writer``'s newest segment in any table, or None."""
+    newest: tuple[int, Path] | None = None
+    for path in Path(lake).glob(f"*/scenario=*/date=*/{writer}-*.parquet"):
+        m = _SEGMENT_RE.match(path.name)
+        if m and m.group("writer") == writer:
+            n = int(m.group("n"))
+            if newest is None or n > newest[0]:
+                newest = (n, path)
+    if newest is None:
+        return None
+    meta = pq.read_schema(newest[1]).metadata or {}
+    raw = meta.get(_CHECKPOINT_KEY)
+    return json.loads(raw) if raw else {}
+
+
+def _literal(text: str) -> str:
+    # View definitions cannot take bound parameters; a path is quoted as a SQL literal.
+    return "'" + text.replace("'", "''") + "'"
+
+
+def create_enum_types(con: duckdb.DuckDBPyConnection) -> None:
+    """Create the schema's ENUM types on ``con`` where they do not exist yet."""
+    have = {
+        r[0] for r in con.execute(
+            "SELECT type_name FROM duckdb_types() WHERE database_name = current_database()"
+        ).fetchall()
+    }
+    for name, enum_cls in ENUMS.items():
+        if name not in have:
+            values = ", ".join(_literal(m.value) for m in enum_cls)
+            con.execute(f"CREATE TYPE {name} AS ENUM ({values})")
+
+
+def _view_sql(lake: Path, table: Table) -> str:
+    files = segment_files(lake, table.name)
+    if not files:
+        cols = ", ".join(f"CAST(NULL AS {c.type}) AS {c.name}" for c in table.columns)
+        return f"SELECT {cols} WHERE false"
+    glob = str((lake / table.name).resolve()) + "/scenario=*/date=*/*.parquet"
+    cols = ", ".join(
+        f"CAST({c.name} AS {c.type}) AS {c.name}" if c.name != "scenario"
+        else "CAST(scenario AS VARCHAR) AS scenario"
+        for c in table.columns
+    )
+    return (f"SELECT {cols} FROM read_parquet({_literal(glob)}, hive_partitioning = true, "
+            "union_by_name = true, hive_types_autocast = false)")
+
+
+def open_lake(con: duckdb.DuckDBPyConnection, lake: str | Path, *, temp: bool = False) -> list[str]:
+    """Register one view per lake table on ``con``; empty tables get empty, typed views.
+
+    Views bind the files present now: reopen after new segments to see them.
+    """
+    root = Path(lake)
+    if not root.exists():
+        raise ConfigError(f"lake {root} does not exist: import or collect into it first")
+    lake_info(root)
+    create_enum_types(con)
+    kind = "TEMP VIEW" if temp else "VIEW"
+    for table in LAKE_TABLES:
+        con.execute(f"CREATE OR REPLACE {kind} {table.name} AS {_view_sql(root, table)}")
+    return [t.name for t in LAKE_TABLES]
+
+
+def compact(lake: str | Path, *, today: str | None = None) -> dict[str, int]:
+    """Merge the segments of each closed day (before ``today``, UTC) into one per partition.
+
+    The partition directory is rebuilt under staging and swapped in whole. Returns counts.
+    """
+    root = Path(lake)
+    lake_info(root)
+    today = today or time.strftime("%Y-%m-%d", time.gmtime())
+    merged = removed = 0
+    for table in LAKE_TABLES:
+        for day_dir in sorted((root / table.name).glob("scenario=*/date=*")):
+            files = sorted(day_dir.glob("*.parquet"))
+            if day_dir.name[len("date="):] >= today or len(files) < 2:
+                continue
+            parts = [pq.read_table(f, schema=arrow_schema(table)) for f in files]
+            stage = root / ".staging" / f"compact-{uuid.uuid4().hex[:8]}" / day_dir.name
+            stage.mkdir(parents=True)
+            data = pa.concat_tables(parts)
+            last_meta = pq.read_schema(files[-1]).metadata or {}
+            out = stage / files[-1].name  # keeps the newest name, so checkpoints still resolve
+            with open(out, "wb") as f:
+                pq.write_table(data.replace_schema_metadata(last_meta), f, compression="zstd")
+                f.flush()
+                os.fsync(f.fileno())
+            _swap_dir(stage, day_dir, root)
+            shutil.rmtree(stage.parent, ignore_errors=True)
+            merged += 1
+            removed += len(files)
+    return {"partitions_merged": merged, "segments_replaced": removed}

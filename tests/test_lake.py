@@ -1,0 +1,191 @@
+"""Tests for kvlens/lake.py: segments, partitions, checkpoints, replace, views, compact."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from kvlens.errors import ConfigError, SchemaVersionError
+from kvlens.lake import SegmentWriter, compact, latest_checkpoint, open_lake, segment_files
+from kvlens.schema import LAKE_TABLES, TABLES
+
+DAY = 86_400 * 10**9
+
+
+def _views(lake: Path) -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    open_lake(con, lake)
+    return con
+
+
+def test_empty_lake_has_typed_views_for_every_table(tmp_path: Path) -> None:
+    SegmentWriter(tmp_path, "requests")  # creates the lake marker only
+    con = _views(tmp_path)
+    for table in LAKE_TABLES:
+        described = con.execute(f"DESCRIBE {table.name}").fetchall()
+        assert [r[0] for r in described] == list(table.names)
+        assert con.execute(f"SELECT count(*) FROM {table.name}").fetchone() == (0,)
+    kinds = dict((r[0], r[1]) for r in con.execute("DESCRIBE kv_events").fetchall())
+    assert kinds["kind"].startswith("ENUM(") and kinds["block_hash"] == "UBIGINT"
+
+
+def test_rows_columns_and_arrow_land_with_nulls_for_missing_columns(tmp_path: Path) -> None:
+    with SegmentWriter(tmp_path, "kv_events", scenario="s1") as w:
+        w.append_rows([{"ts_ns": 5, "kind": "stored", "block_hash": 2**64 - 1, "medium": "gpu"}])
+        w.append_columns({"ts_ns": [6, 7], "kind": ["removed", "cleared"], "replica": ["a", "b"]})
+        w.append_arrow(pa.table({"ts_ns": pa.array([8], pa.int64()), "kind": ["stored"]}))
+    rows = _views(tmp_path).execute(
+        "SELECT ts_ns, kind, block_hash, replica, scenario FROM kv_events ORDER BY ts_ns").fetchall()
+    assert rows == [(5, "stored", 2**64 - 1, None, "s1"), (6, "removed", None, "a", "s1"),
+                    (7, "cleared", None, "b", "s1"), (8, "stored", None, None, "s1")]
+
+
+def test_unknown_column_is_refused(tmp_path: Path) -> None:
+    w = SegmentWriter(tmp_path, "requests")
+    with pytest.raises(ValueError, match="no column"):
+        w.append_columns({"request_id": ["a"], "prompt_tokenz": [1]})
+
+
+def test_flush_by_row_count_bounds_the_buffer(tmp_path: Path) -> None:
+    w = SegmentWriter(tmp_path, "requests", flush_rows=100)
+    peak = 0
+    for i in range(10):
+        w.append_columns({"request_id": [f"r{i}-{j}" for j in range(30)], "arrival_ns": [0] * 30})
+        peak = max(peak, w.buffered_rows)
+    w.commit()
+    assert peak < 100
+    assert w.rows_written == 300
+    assert len(segment_files(tmp_path, "requests")) == 3  # 120, 120 flushed at 100+; then 60
+
+
+def test_flush_by_age_uses_the_injected_clock(tmp_path: Path) -> None:
+    now = [0.0]
+    w = SegmentWriter(tmp_path, "requests", flush_rows=10**6, flush_age_s=5.0, clock=lambda: now[0])
+    w.append_rows([{"request_id": "a", "arrival_ns": 0}])
+    assert w.segments_written == 0
+    now[0] = 4.9
+    assert not w.maybe_flush()
+    now[0] = 5.0
+    w.append_rows([{"request_id": "b", "arrival_ns": 0}])
+    assert w.segments_written == 1 and w.buffered_rows == 0
+
+
+def test_rows_are_partitioned_by_utc_date(tmp_path: Path) -> None:
+    with SegmentWriter(tmp_path, "requests", scenario="x") as w:
+        w.append_columns({"request_id": ["a", "b", "c"], "arrival_ns": [0, DAY + 1, DAY * 365]})
+    dates = sorted(p.parent.name for p in segment_files(tmp_path, "requests"))
+    assert dates == ["date=1970-01-01", "date=1970-01-02", "date=1971-01-01"]
+
+
+def test_segments_carry_checkpoints_and_the_newest_wins(tmp_path: Path) -> None:
+    w = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="col-a")
+    assert latest_checkpoint(tmp_path, "col-a") is None
+    w.append_rows([{"ts_ns": 1, "kind": "stored"}])
+    w.flush({"seq": {"pub1": 10}})
+    w.append_rows([{"ts_ns": 2, "kind": "stored"}])
+    w.flush({"seq": {"pub1": 11}})
+    other = SegmentWriter(tmp_path, "requests", scenario="live", writer_id="col-b")
+    other.flush({"mine": True})  # an empty segment still records a checkpoint
+    assert latest_checkpoint(tmp_path, "col-a") == {"seq": {"pub1": 11}}
+    assert latest_checkpoint(tmp_path, "col-b") == {"mine": True}
+    # A restarted writer with the same id keeps naming segments after the old ones.
+    again = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="col-a")
+    again.append_rows([{"ts_ns": 3, "kind": "stored"}])
+    again.flush({"seq": {"pub1": 12}})
+    assert latest_checkpoint(tmp_path, "col-a") == {"seq": {"pub1": 12}}
+
+
+def test_replace_swaps_a_scenario_whole_and_abort_leaves_it(tmp_path: Path) -> None:
+    def load(ids: list[str]) -> None:
+        with SegmentWriter(tmp_path, "requests", scenario="imp", replace=True) as w:
+            w.append_columns({"request_id": ids, "arrival_ns": [0] * len(ids)})
+
+    load(["a", "b"])
+    load(["c"])
+    con = _views(tmp_path)
+    assert con.execute("SELECT list(request_id) FROM requests").fetchone() == (["c"],)
+    with pytest.raises(RuntimeError), SegmentWriter(tmp_path, "requests", scenario="imp", replace=True) as w:
+        w.append_columns({"request_id": ["d"] * 5, "arrival_ns": [0] * 5})
+        w.flush()  # staged, not committed
+        raise RuntimeError("killed")
+    con = _views(tmp_path)
+    assert con.execute("SELECT list(request_id) FROM requests").fetchone() == (["c"],)
+    assert not any((tmp_path / ".staging").glob("**/*.parquet"))
+
+
+def test_appending_writers_do_not_touch_other_scenarios(tmp_path: Path) -> None:
+    with SegmentWriter(tmp_path, "requests", scenario="a", replace=True) as w:
+        w.append_rows([{"request_id": "x", "arrival_ns": 0}])
+    with SegmentWriter(tmp_path, "requests", scenario="b") as w:
+        w.append_rows([{"request_id": "y", "arrival_ns": 0}])
+    rows = _views(tmp_path).execute("SELECT scenario, request_id FROM requests ORDER BY 1").fetchall()
+    assert rows == [("a", "x"), ("b", "y")]
+
+
+def test_segment_metadata_names_schema_version_and_writer(tmp_path: Path) -> None:
+    with SegmentWriter(tmp_path, "requests", writer_id="w1") as w:
+        w.append_rows([{"request_id": "x", "arrival_ns": 0}])
+    meta = pq.read_schema(segment_files(tmp_path, "requests")[0]).metadata
+    assert meta[b"kvlens.writer"] == b"w1" and meta[b"kvlens.schema_version"] == b"1"
+    assert "scenario" not in pq.read_schema(segment_files(tmp_path, "requests")[0]).names
+
+
+def test_lake_of_another_schema_version_is_refused(tmp_path: Path) -> None:
+    SegmentWriter(tmp_path, "requests")
+    (tmp_path / "_kvlens.json").write_text(json.dumps({"schema_version": 999}))
+    with pytest.raises(SchemaVersionError, match="v999"):
+        open_lake(duckdb.connect(), tmp_path)
+
+
+def test_bad_names_are_config_errors(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="scenario"):
+        SegmentWriter(tmp_path, "requests", scenario="../escape")
+    with pytest.raises(ConfigError, match="analysis table"):
+        SegmentWriter(tmp_path, "miss_ledger")
+    with pytest.raises(ConfigError, match="does not exist"):
+        open_lake(duckdb.connect(), tmp_path / "nope")
+
+
+def test_compact_merges_closed_days_keeps_rows_and_checkpoint(tmp_path: Path) -> None:
+    w = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="c")
+    for i in range(4):
+        w.append_rows([{"ts_ns": i, "kind": "stored", "block_hash": i}])
+        w.flush({"seq": i})
+    w.append_rows([{"ts_ns": 40 * DAY, "kind": "stored"}])  # today's partition stays as it is
+    w.flush({"seq": 9})
+    counts = compact(tmp_path, today="1970-02-10")
+    assert counts == {"partitions_merged": 1, "segments_replaced": 4}
+    files = segment_files(tmp_path, "kv_events")
+    assert len(files) == 2
+    con = _views(tmp_path)
+    assert con.execute("SELECT sum(block_hash), count(*) FROM kv_events").fetchone() == (6, 5)
+    assert latest_checkpoint(tmp_path, "c") == {"seq": 9}
+
+
+def test_every_lake_table_round_trips_its_declared_types(tmp_path: Path) -> None:
+    sample = {"BIGINT": 1, "UBIGINT": 2**63 + 5, "INTEGER": 7, "DOUBLE": 1.5, "BOOLEAN": True,
+              "VARCHAR": "v", "MAP(VARCHAR, VARCHAR)": [("k", "v")]}
+    for table in LAKE_TABLES:
+        row = {c.name: (c.enum and next(iter(c.enum)).value) or sample[c.type]
+               for c in table.file_columns}
+        with SegmentWriter(tmp_path, table.name, scenario="t") as w:
+            w.append_rows([row])
+    con = _views(tmp_path)
+    for table in LAKE_TABLES:
+        got = con.execute(f"SELECT * FROM {table.name}").fetchone()
+        assert got is not None
+        for col, value in zip(table.names, got, strict=True):
+            c = TABLES[table.name].column(col)
+            if col == "scenario":
+                assert value == "t"
+            elif c.type.startswith("MAP"):
+                assert value == {"k": "v"}
+            elif c.enum:
+                assert value == next(iter(c.enum)).value
+            else:
+                assert value == sample[c.type], (table.name, col)
