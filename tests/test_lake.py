@@ -169,7 +169,7 @@ def test_compact_merges_closed_days_keeps_rows_and_checkpoint(tmp_path: Path) ->
 
 def test_every_lake_table_round_trips_its_declared_types(tmp_path: Path) -> None:
     sample = {"BIGINT": 1, "UBIGINT": 2**63 + 5, "INTEGER": 7, "DOUBLE": 1.5, "BOOLEAN": True,
-              "VARCHAR": "v", "MAP(VARCHAR, VARCHAR)": [("k", "v")]}
+              "VARCHAR": "v", "MAP(VARCHAR, VARCHAR)": [("k", "v")], "INTEGER[]": [1, 2]}
     for table in LAKE_TABLES:
         row = {c.name: (c.enum and next(iter(c.enum)).value) or sample[c.type]
                for c in table.file_columns}

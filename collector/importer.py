@@ -1,0 +1,286 @@
+"""Collector driver for trace files: JSONL lines -> ``requests`` and ``request_blocks`` segments.
+
+Each format module parses one decoded line into a request row and its blocks; this driver
+reads the files (plain or gzip), names the file, line and field of a bad line, skips and
+counts bad lines when asked, and writes both tables with ``replace=True`` so a rerun of the
+same scenario replaces it whole. An import that stops half-way (an error, a kill) commits
+nothing: the scenario's previous rows stay as they were.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+import os
+import zlib
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+
+from kvlens.errors import ConfigError, InputError
+from kvlens.lake import SegmentWriter
+
+__all__ = [
+    "DEFAULT_T0_NS", "FORMATS", "INT32_MAX", "INT64_MAX", "FieldError", "ImportResult", "Parsed",
+    "import_files", "need_hashes", "need_int", "need_number", "opt_str", "rfc3339_ns", "tail_tokens",
+]
+
+log = logging.getLogger(__name__)
+
+# Traces with relative times (Mooncake ms, Bailian s) are anchored here unless --t0 is given:
+# 2025-01-01T00:00:00Z, fixed so that re-imports and reports are reproducible.
+DEFAULT_T0_NS = 1_735_689_600 * 1_000_000_000
+_BATCH_REQUESTS = 20_000
+_BLOCK_COLUMNS = ("position", "block_hash", "content_hash", "block_tokens", "block_size_tokens")
+
+
+class FieldError(ValueError):
+    """Raised by a format parser: which field of the line is wrong, and how."""
+
+    def __init__(self, field_name: str | None, message: str) -> None:
+        super().__init__(message)
+        self.field = field_name
+
+
+@dataclass
+class Parsed:
+    """One request and its blocks, as a format parser returns them."""
+
+    request: dict[str, Any]
+    block_hashes: Sequence[int]
+    block_tokens: Sequence[int]
+    block_size_tokens: int
+    content_hashes: Sequence[int] | None = None
+    namespace: str | None = None
+
+
+_U64 = (1 << 64) - 1
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+
+def need_int(rec: Any, key: str, *, minimum: int = 0, maximum: int = INT32_MAX) -> int:
+    """``rec[key]`` as an int in [minimum, maximum], or a FieldError naming the key.
+
+    The default maximum is the INTEGER column range; times pass ``maximum=INT64_MAX``.
+    """
+    if not isinstance(rec, dict):
+        raise FieldError(None, f"expected a JSON object, got {type(rec).__name__}")
+    value = rec.get(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise FieldError(key, f"expected an integer, got {value!r:.40}")
+    if not minimum <= value <= maximum:
+        raise FieldError(key, f"expected an integer in [{minimum}, {maximum}], got {value}")
+    return value
+
+
+def rfc3339_ns(text: str) -> int:
+    """An RFC 3339 time with a zone as int ns since the epoch, without float rounding."""
+    when = datetime.fromisoformat(text)
+    if when.tzinfo is None:
+        raise ValueError(f"time without a zone offset: {text!r:.40}; add Z or +00:00")
+    delta = when - _EPOCH
+    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
+
+
+def need_number(rec: dict[str, Any], key: str) -> float:
+    value = rec.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise FieldError(key, f"expected a number >= 0, got {value!r:.40}")
+    return float(value)
+
+
+def need_hashes(rec: dict[str, Any], key: str) -> list[int]:
+    """A list of block hashes: ints (signed ones folded to unsigned 64-bit) or hex digests.
+
+    A hex digest longer than 16 digits keeps its last 8 bytes, as vLLM's events do.
+    """
+    value = rec.get(key)
+    if not isinstance(value, list):
+        raise FieldError(key, f"expected a list of block hashes, got {value!r:.40}")
+    out = []
+    for i, h in enumerate(value):
+        if isinstance(h, int) and not isinstance(h, bool):
+            if not -(2**63) <= h <= _U64:
+                raise FieldError(key, f"element {i} does not fit 64 bits: {h}")
+            out.append(h & _U64)
+        elif isinstance(h, str):
+            try:
+                out.append(int(h[-16:], 16))
+            except ValueError:
+                raise FieldError(key, f"element {i} is not a hex digest: {h!r:.40}") from None
+        else:
+            raise FieldError(key, f"element {i} is not an integer or hex string: {h!r:.40}")
+    return out
+
+
+def opt_str(rec: dict[str, Any], key: str) -> str | None:
+    value = rec.get(key)
+    if value is None:
+        return None
+    if isinstance(value, str | int) and not isinstance(value, bool):
+        return str(value)
+    raise FieldError(key, f"expected a string, got {value!r:.40}")
+
+
+def tail_tokens(prompt_tokens: int, n_blocks: int, block_size: int, key: str) -> list[int]:
+    """Tokens per block for ``n_blocks`` covering a prompt: full blocks, then a partial tail.
+
+    ``n_blocks`` may be ceil(prompt/B) (the tail has a hash) or floor(prompt/B) (only full
+    blocks are hashed, as engines do); anything else does not describe this prompt.
+    """
+    full, rest = divmod(prompt_tokens, block_size)
+    if n_blocks == full:
+        return [block_size] * full
+    if rest and n_blocks == full + 1:
+        return [block_size] * full + [rest]
+    raise FieldError(key, f"{n_blocks} blocks do not fit {prompt_tokens} prompt tokens in "
+                          f"blocks of {block_size} (expected {full} or {full + (1 if rest else 0)})")
+
+
+class Parser(Protocol):
+    def __call__(self, rec: Any, *, lineno: int, stem: str) -> Parsed: ...
+
+
+ParserFactory = Callable[..., Parser]  # (*, model, t0_ns) -> Parser
+
+
+def _formats() -> dict[str, ParserFactory]:
+    from collector import bailian, gateway, mooncake
+
+    return {"mooncake": mooncake.parser, "bailian": bailian.parser, "gateway": gateway.parser}
+
+
+FORMATS: tuple[str, ...] = ("mooncake", "bailian", "gateway")
+
+
+@dataclass
+class ImportResult:
+    format: str
+    scenario: str
+    files: list[str]
+    requests: int = 0
+    blocks: int = 0
+    bad_lines: int = 0
+    first_bad: list[str] = field(default_factory=list)
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
+    """(line number, stripped line, bytes consumed so far in the file on disk)."""
+    with open(path, "rb") as raw, (gzip.open(raw, "rb") if path.suffix == ".gz" else raw) as f:
+        for lineno, line in enumerate(f, start=1):
+            yield lineno, line.strip(), raw.tell()
+
+
+def _checked_lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
+    lineno = 0
+    try:
+        for lineno, line, pos in _lines(path):
+            yield lineno, line, pos
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise InputError(f"damaged gzip data after line {lineno} ({e}): re-copy the file",
+                         path=str(path)) from None
+
+
+class _Columns:
+    """Accumulates requests and blocks as columns, flushing them to the two writers."""
+
+    def __init__(self, requests: SegmentWriter, blocks: SegmentWriter) -> None:
+        self.requests, self.blocks = requests, blocks
+        self.req_rows: list[dict[str, Any]] = []
+        self.cols: dict[str, list[Any]] = {
+            k: [] for k in ("request_id", "arrival_ns", *_BLOCK_COLUMNS, "namespace")
+        }
+
+    def add(self, p: Parsed) -> int:
+        r = p.request
+        n = len(p.block_hashes)
+        c = self.cols
+        c["request_id"].extend([r["request_id"]] * n)
+        c["arrival_ns"].extend([r["arrival_ns"]] * n)
+        c["position"].extend(range(n))
+        c["block_hash"].extend(p.block_hashes)
+        c["content_hash"].extend(p.content_hashes if p.content_hashes is not None else [None] * n)
+        c["block_tokens"].extend(p.block_tokens)
+        c["block_size_tokens"].extend([p.block_size_tokens] * n)
+        c["namespace"].extend([p.namespace] * n)
+        self.req_rows.append(r)
+        if len(self.req_rows) >= _BATCH_REQUESTS:
+            self.flush()
+        return n
+
+    def flush(self) -> None:
+        if self.req_rows:
+            self.requests.append_rows(self.req_rows)
+            self.blocks.append_columns(self.cols)
+        self.req_rows = []
+        self.cols = {k: [] for k in self.cols}
+
+
+def import_files(
+    fmt: str,
+    paths: Sequence[str | os.PathLike[str]],
+    lake: str | os.PathLike[str],
+    *,
+    scenario: str = "default",
+    model: str | None = None,
+    skip_bad_lines: bool = False,
+    t0_ns: int = DEFAULT_T0_NS,
+    on_progress: Callable[[int], None] | None = None,
+) -> ImportResult:
+    """Import trace files of one format into ``scenario`` of ``lake``, replacing it.
+
+    ``on_progress`` receives the bytes read from disk since its last call.
+    """
+    factories = _formats()
+    if fmt not in factories:
+        raise ConfigError(f"unknown import format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    files = [Path(p) for p in paths]
+    for p in files:
+        if not p.is_file():
+            raise InputError("no such file: check the path", path=str(p))
+    parse = factories[fmt](model=model, t0_ns=t0_ns)
+    result = ImportResult(fmt, scenario, [str(p) for p in files])
+    decoder = msgspec.json.Decoder()
+    writer_id = f"import-{fmt}"
+    with SegmentWriter(lake, "requests", scenario=scenario, writer_id=writer_id, replace=True) as rw, \
+            SegmentWriter(lake, "request_blocks", scenario=scenario, writer_id=writer_id, replace=True) as bw:
+        cols = _Columns(rw, bw)
+        for path in files:
+            done = 0
+            for lineno, line, pos in _checked_lines(path):
+                if on_progress and pos != done:
+                    on_progress(pos - done)
+                    done = pos
+                if not line:
+                    continue
+                try:
+                    parsed = parse(decoder.decode(line), lineno=lineno, stem=path.name.split(".")[0])
+                except (msgspec.DecodeError, FieldError) as e:
+                    _bad_line(result, path, lineno, line, e, skip_bad_lines)
+                    continue
+                result.blocks += cols.add(parsed)
+                result.requests += 1
+        cols.flush()
+    log.info("imported %d requests, %d blocks into scenario %s (%d bad lines)",
+             result.requests, result.blocks, scenario, result.bad_lines)
+    return result
+
+
+def _bad_line(result: ImportResult, path: Path, lineno: int, line: bytes, err: Exception,
+              skip: bool) -> None:
+    field_name = err.field if isinstance(err, FieldError) else None
+    message = str(err) if isinstance(err, FieldError) else f"not valid JSON ({err})"
+    if not skip:
+        raise InputError(f"{message}; fix the line or pass --skip-bad-lines",
+                         path=str(path), line=lineno, field=field_name)
+    result.bad_lines += 1
+    where = f"{path}:{lineno}" + (f" field {field_name!r}" if field_name else "")
+    if len(result.first_bad) < 5:
+        result.first_bad.append(f"{where}: {message}")
+    log.warning("skipped bad line %s: %s; starts %r", where, message, line[:80])

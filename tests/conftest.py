@@ -1,0 +1,35 @@
+"""Shared fixtures: small hand-written trace files."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+# Three Mooncake lines: a prompt of exactly 2 blocks, one with a partial tail (and a hash id
+# above 2**63, which must survive as UBIGINT), and one sharing the first line's prefix.
+MOONCAKE_LINES = [
+    {"timestamp": 0, "input_length": 1024, "output_length": 5, "hash_ids": [10, 11]},
+    {"timestamp": 1500, "input_length": 1300, "output_length": 7, "hash_ids": [20, 2**63 + 5, 22]},
+    {"timestamp": 2750, "input_length": 1100, "output_length": 9, "hash_ids": [10, 11, 30]},
+]
+
+
+@pytest.fixture
+def write_jsonl(tmp_path: Path) -> Callable[..., Path]:
+    """write_jsonl(name, records) -> path; a record that is a str is written as-is (bad lines)."""
+
+    def write(name: str, records: list[object]) -> Path:
+        path = tmp_path / name
+        text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+        path.write_text(text)
+        return path
+
+    return write
+
+
+@pytest.fixture
+def mooncake3(write_jsonl: Callable[..., Path]) -> Path:
+    return write_jsonl("trace.jsonl", MOONCAKE_LINES)
