@@ -1,3 +1,38 @@
-"""Analyzers: lake relations -> Polars frames; no I/O besides the relations given."""
+"""Analyzers: lake relations -> Polars frames; no I/O besides the relations given.
 
-__all__: list[str] = []
+``analyze_scenario`` runs every analysis of one scenario and yields (table, frame) pairs for
+the analysis DB writer; each analysis lives in a module of its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import duckdb
+import polars as pl
+
+from analyzers.ledger import miss_ledger
+from analyzers.outcomes import block_outcomes
+from analyzers.request_ledger import request_ledger
+from kvlens.models import ModelGeometry
+
+__all__ = ["analyze_scenario", "block_outcomes", "miss_ledger", "request_ledger"]
+
+
+def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str,
+                     model: ModelGeometry) -> Iterator[tuple[str, pl.DataFrame]]:
+    """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs."""
+    per_token = model.kv_bytes_per_token()
+    outcomes = block_outcomes(
+        requests=con.table("requests"), request_blocks=con.table("request_blocks"),
+        kv_events=con.table("kv_events"), transfers=con.table("transfers"),
+        scenario=scenario, bytes_per_token=per_token)
+    per_request = request_ledger(block_outcomes=outcomes, requests=con.table("requests"), scenario=scenario)
+    yield "scenarios", pl.DataFrame({
+        "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
+        "requests": [per_request.height], "needed_blocks": [outcomes.height],
+        "analyzed_ns": [time.time_ns()]})
+    yield "block_outcomes", outcomes
+    yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
+    yield "request_ledger", per_request

@@ -42,6 +42,7 @@ __all__ = [
     "latest_checkpoint",
     "open_lake",
     "segment_files",
+    "write_scenario",
 ]
 
 log = logging.getLogger(__name__)
@@ -302,6 +303,17 @@ def _swap_dir(new: Path, final: Path, lake: Path) -> None:
     os.replace(new, final)
     _fsync_dir(final.parent)
     shutil.rmtree(trash, ignore_errors=True)
+
+
+def write_scenario(lake: str | os.PathLike[str], scenario: str, tables: Mapping[str, pa.Table],
+                   *, writer_id: str) -> dict[str, int]:
+    """Write whole tables of one scenario, each replacing that scenario's rows; returns row counts."""
+    counts = {}
+    for name, data in tables.items():
+        with SegmentWriter(lake, name, scenario=scenario, writer_id=writer_id, replace=True) as w:
+            w.append_arrow(data)
+        counts[name] = data.num_rows
+    return counts
 
 
 def segment_files(lake: str | Path, table: str, scenario: str | None = None) -> list[Path]:

@@ -158,6 +158,7 @@ KV_EVENTS = Table("kv_events", "lake", "One row per block hash per KV-cache even
     _c("namespace", "VARCHAR", "cache-key namespace: model, revision, LoRA, salt, block size, algo"),
     _c("session_id", "VARCHAR", "conversation or session, when known"),
     _c("locality", "VARCHAR", "where the publisher runs (node, zone), when known"),
+    _c("token_ids", "INTEGER[]", "the block's token ids; NULL unless collected with --keep-tokens"),
 ), time_column="ts_ns")
 
 REQUESTS = Table("requests", "lake", "One row per request.", (
@@ -231,6 +232,15 @@ PROBE_RUNS = Table("probe_runs", "lake", "One row per GPU-probe measurement.", (
 
 _OUTCOME_KEY = (_SCENARIO, _c("replica", "VARCHAR", "serving replica"))
 
+SCENARIOS = Table("scenarios", "analysis", "One row per analyzed scenario: what it was measured with.", (
+    _SCENARIO,
+    _c("model", "VARCHAR", "model geometry the bytes were computed with"),
+    _c("kv_bytes_per_token", "BIGINT", "KV bytes per token of that model", "bytes"),
+    _c("requests", "BIGINT", "requests in the scenario"),
+    _c("needed_blocks", "BIGINT", "full blocks needed", "blocks"),
+    _c("analyzed_ns", "BIGINT", "when kvlens analyze ran", "ns"),
+))
+
 BLOCK_OUTCOMES = Table("block_outcomes", "analysis", "One outcome per needed full block per request.", (
     _SCENARIO,
     _c("request_id", "VARCHAR", "the request"),
@@ -253,6 +263,23 @@ MISS_LEDGER = Table("miss_ledger", "analysis", "Blocks, tokens and bytes per out
     _c("blocks", "BIGINT", "blocks", "blocks"),
     _c("tokens", "BIGINT", "tokens", "tokens"),
     _c("bytes", "BIGINT", "KV bytes", "bytes"),
+))
+
+REQUEST_LEDGER = Table("request_ledger", "analysis",
+                       "Per request: prompt tokens split by what the ledger found.", (
+    *_OUTCOME_KEY,
+    _c("request_id", "VARCHAR", "the request"),
+    _c("arrival_ns", "BIGINT", "arrival", "ns"),
+    _c("prompt_tokens", "BIGINT", "prompt length", "tokens"),
+    _c("hit_tokens", "BIGINT", "tokens of hit_local, hit_offload and hit_remote blocks", "tokens"),
+    _c("recomputed_last_tokens", "BIGINT", "the block given back by the one-computed-token rule", "tokens"),
+    _c("miss_tokens", "BIGINT", "tokens of blocks with a miss outcome", "tokens"),
+    _c("tail_partial_tokens", "BIGINT", "tokens of the final, not-full block: recomputed by definition",
+       "tokens"),
+    _c("cached_tokens", "BIGINT", "prefix-cache hit tokens as the engine reported, when known", "tokens"),
+    _c("dominant_miss", "outcome", "the miss outcome with the most tokens; NULL for a full hit"),
+    _c("ttft_ms", "DOUBLE", "time to first token", "ms"),
+    _c("queue_ms", "DOUBLE", "time in queue", "ms"),
 ))
 
 REUSE = Table("reuse", "analysis", "Reuse distance per re-access, per stream.", (
@@ -336,8 +363,8 @@ WARMUP = Table("warmup", "analysis", "Time to a steady hit ratio for each new re
 
 LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
-    BLOCK_OUTCOMES, MISS_LEDGER, REUSE, MRC, FLOWS, LATENCY_TAILS, PREFIX_RANKING, HYGIENE,
-    ISOLATION_FINDINGS, WARMUP,
+    SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REUSE, MRC, FLOWS, LATENCY_TAILS,
+    PREFIX_RANKING, HYGIENE, ISOLATION_FINDINGS, WARMUP,
 )
 TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}
 
@@ -349,6 +376,7 @@ _ARROW = {
     "BOOLEAN": pa.bool_(),
     "VARCHAR": pa.string(),
     "MAP(VARCHAR, VARCHAR)": pa.map_(pa.string(), pa.string()),
+    "INTEGER[]": pa.list_(pa.int32()),
 }
 
 

@@ -1,0 +1,49 @@
+"""Analyzers: per-request ledger: prompt tokens as hits, misses, the given-back block and the tail."""
+
+from __future__ import annotations
+
+import duckdb
+import polars as pl
+
+__all__ = ["request_ledger"]
+
+# Tail tokens are the prompt beyond its full blocks; the engine's cached_tokens sits beside.
+REQUEST_LEDGER_SQL = """
+WITH per AS (
+    SELECT request_id,
+           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) AS hit_tokens,
+           sum(tokens) FILTER (WHERE outcome = 'recomputed_last') AS recomputed_last_tokens,
+           sum(tokens) FILTER (WHERE outcome LIKE 'miss_%') AS miss_tokens,
+           sum(tokens) AS full_tokens,
+           arg_max(outcome, tokens_by_outcome) FILTER (WHERE outcome LIKE 'miss_%') AS dominant_miss
+    FROM (SELECT request_id, outcome, tokens,
+                 sum(tokens) OVER (PARTITION BY request_id, outcome) AS tokens_by_outcome
+          FROM block_outcomes)
+    GROUP BY request_id
+)
+SELECT r.scenario, coalesce(r.replica, '') AS replica, r.request_id, r.arrival_ns,
+       r.prompt_tokens,
+       coalesce(p.hit_tokens, 0) AS hit_tokens,
+       coalesce(p.recomputed_last_tokens, 0) AS recomputed_last_tokens,
+       coalesce(p.miss_tokens, 0) AS miss_tokens,
+       greatest(coalesce(r.prompt_tokens, 0) - coalesce(p.full_tokens, 0), 0) AS tail_partial_tokens,
+       r.cached_tokens, p.dominant_miss, r.ttft_ms, r.queue_ms
+FROM requests r LEFT JOIN per p USING (request_id)
+ORDER BY r.arrival_ns, r.request_id
+"""
+
+
+def request_ledger(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRelation,
+                   scenario: str) -> pl.DataFrame:
+    """One row per request of ``scenario``.
+
+    Columns: scenario, replica, request_id, arrival_ns, prompt_tokens, hit_tokens,
+    recomputed_last_tokens, miss_tokens, tail_partial_tokens, cached_tokens (the engine's),
+    dominant_miss, ttft_ms, queue_ms. Sorted by arrival, then request id.
+    """
+    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
+    req = requests.filter(cond).pl().unique("request_id", keep="first")
+    con = duckdb.connect()
+    con.register("block_outcomes", block_outcomes)
+    con.register("requests", req)
+    return con.sql(REQUEST_LEDGER_SQL).pl()

@@ -1,0 +1,401 @@
+"""The spine's command line: thin click commands over the packages, imported lazily.
+
+Every KvlensError becomes one ``Error:`` line and exit status 1; bugs keep their tracebacks.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from kvlens.errors import KvlensError
+
+__all__ = ["cli", "main"]
+
+IMPORT_FORMATS = ("mooncake", "bailian", "gateway")
+
+
+def _routing_policies() -> list[Any]:
+    from kvlens.schema import RoutingPolicy
+
+    return list(RoutingPolicy)
+
+
+class _Group(click.Group):
+    """Turns a KvlensError from any command into click's one-line ``Error:`` and exit 1."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KvlensError as e:
+            raise click.ClickException(str(e)) from e
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
+@click.version_option(package_name="kvlens")
+def cli(verbose: int) -> None:
+    """kvlens: why each prompt token was recomputed instead of reused.
+
+    Collectors write a Parquet lake; analyzers turn it into a DuckDB analysis DB;
+    operators read it through SQL, reports and the dashboard.
+    """
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+
+
+def _parse_t0(value: str | None) -> int:
+    from collector.importer import DEFAULT_T0_NS, rfc3339_ns
+
+    if value is None:
+        return DEFAULT_T0_NS
+    try:
+        return rfc3339_ns(value)
+    except ValueError as e:
+        raise click.BadParameter(f"{e}: give an ISO time such as 2025-01-01T00:00:00Z") from None
+
+
+def _progress_bar(paths: tuple[str, ...], label: str) -> Any:
+    total = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
+    return click.progressbar(length=total, label=label, file=sys.stderr, show_eta=True,
+                             show_percent=True, width=30)
+
+
+@cli.command("import")
+@click.argument("fmt", metavar="FORMAT", type=click.Choice(IMPORT_FORMATS))
+@click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--scenario", default="default", show_default=True,
+              help="Scenario name; an existing scenario of that name is replaced whole.")
+@click.option("--model", default=None, help="Model name recorded on the rows (e.g. llama-3.1-70b).")
+@click.option("--skip-bad-lines", is_flag=True, help="Count and skip lines that do not parse.")
+@click.option("--t0", default=None, help="Anchor for traces with relative times (ISO time, UTC).")
+def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
+               skip_bad_lines: bool, t0: str | None) -> None:
+    """Import trace FILES of FORMAT into the lake (requests, request_blocks).
+
+    Example: kvlens import mooncake conversation_trace.jsonl --lake lake --scenario conv
+    """
+    from collector.importer import import_files
+
+    with _progress_bar(files, f"import {fmt}") as bar:
+        result = import_files(fmt, files, lake, scenario=scenario, model=model,
+                              skip_bad_lines=skip_bad_lines, t0_ns=_parse_t0(t0), on_progress=bar.update)
+    click.echo(f"imported {result.requests:,} requests and {result.blocks:,} blocks "
+               f"into scenario {scenario!r} of {lake}")
+    if result.bad_lines:
+        click.echo(f"skipped {result.bad_lines:,} bad lines; first: {result.first_bad[0]}", err=True)
+
+
+@cli.command("sql")
+@click.argument("query")
+@click.option("--lake", type=click.Path(file_okay=False), help="Lake directory (views over its tables).")
+@click.option("--db", type=click.Path(dir_okay=False), help="Analysis DB written by kvlens analyze.")
+@click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
+              show_default=True)
+def sql_cmd(query: str, lake: str | None, db: str | None, fmt: str) -> None:
+    """Run one read-only QUERY over the lake views and the analysis DB.
+
+    Example: kvlens sql --lake lake "select scenario, count(*) from requests group by 1"
+    """
+    from kvlens.query import connect, render, run_readonly
+
+    con = connect(lake=lake, db=db)
+    try:
+        columns, rows = run_readonly(con, query)
+    finally:
+        con.close()
+    click.echo(render(columns, rows, fmt), nl=False)
+
+
+@cli.command("schema")
+@click.option("--markdown", is_flag=True, help="Print the generated docs page (docs/schema.md).")
+def schema_cmd(markdown: bool) -> None:
+    """Print the lake and analysis tables (the contract).
+
+    Example: kvlens schema --markdown > docs/schema.md
+    """
+    from kvlens.schema import TABLES, render_markdown
+
+    if markdown:
+        click.echo(render_markdown(), nl=False)
+        return
+    for table in TABLES.values():
+        click.echo(f"{table.name} ({table.kind}): " + ", ".join(table.names))
+
+
+@cli.command("models")
+def models_cmd() -> None:
+    """List the model geometries kvlens knows, with KV bytes per token.
+
+    Example: kvlens models
+    """
+    from kvlens.models import MODELS
+
+    for key, geo in MODELS.items():
+        click.echo(f"{key:<18} {geo.kv_bytes_per_token():>9,} B/token ({geo.kv_dtype})  {geo.name}")
+
+
+@cli.command("compact")
+@click.option("--lake", required=True, type=click.Path(file_okay=False))
+def compact_cmd(lake: str) -> None:
+    """Merge the segments of each closed day into one, atomically.
+
+    Example: kvlens compact --lake lake
+    """
+    from kvlens.lake import compact
+
+    counts = compact(lake)
+    click.echo(f"merged {counts['partitions_merged']} partitions "
+               f"({counts['segments_replaced']} segments replaced)")
+
+
+@cli.command("demo")
+@click.option("--workdir", default="kvlens-demo", show_default=True, type=click.Path(file_okay=False),
+              help="Where the demo's lake and outputs go (replaced on each run).")
+def demo_cmd(workdir: str) -> None:
+    """Run the whole pipeline on the shipped sample data and print a summary.
+
+    Example: kvlens demo --workdir /tmp/kvlens-demo
+    """
+    from sample_data.demo import SAMPLE_TRACE, run_demo
+
+    with _progress_bar((str(SAMPLE_TRACE),), "import sample trace") as bar:
+        summary = run_demo(Path(workdir), on_progress=bar.update)
+    click.echo(summary)
+
+
+def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
+    """The model of a scenario: --model, else its requests' most common known model, else the default."""
+    from kvlens.errors import ConfigError
+    from kvlens.models import DEFAULT_MODEL, get_model
+
+    if override:
+        return get_model(override)
+    names = con.execute("SELECT model FROM requests WHERE scenario = ? AND model IS NOT NULL "
+                        "GROUP BY model ORDER BY count(*) DESC", [scenario]).fetchall()
+    for (name,) in names:
+        try:
+            return get_model(name)
+        except ConfigError:
+            continue
+    if names:
+        logging.getLogger(__name__).warning(
+            "scenario %s: model %s unknown, bytes use %s; pass --model", scenario, names[0][0], DEFAULT_MODEL)
+    return get_model(DEFAULT_MODEL)
+
+
+@cli.command("analyze")
+@click.option("--lake", required=True, type=click.Path(file_okay=False, exists=True), help="Lake directory.")
+@click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB to (re)build.")
+@click.option("--scenario", "scenarios", multiple=True, help="Scenario to analyze (repeat); default: all.")
+@click.option("--model", default=None, help="Model geometry for bytes (default: the requests' model).")
+def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None) -> None:
+    """Replay the lake into the analysis DB: block outcomes, the miss ledger, and more.
+
+    Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
+    """
+    from analyzers import analyze_scenario
+    from kvlens.analysis_db import build_analysis_db
+    from kvlens.errors import NoDataError
+
+    def compute(con: Any) -> Any:
+        present = [r[0] for r in con.execute("SELECT DISTINCT scenario FROM requests ORDER BY 1").fetchall()]
+        chosen = list(scenarios) or present
+        unknown = sorted(set(chosen) - set(present))
+        if unknown:
+            raise NoDataError(f"scenario(s) {', '.join(unknown)} have no requests in lake {lake}: "
+                              f"present are {', '.join(present) or 'none'}")
+        with click.progressbar(chosen, label="analyze", file=sys.stderr, width=30,
+                               item_show_func=lambda s: s or "") as bar:
+            for scenario in bar:
+                yield from analyze_scenario(con, scenario, _scenario_model(con, scenario, model))
+
+    path = build_analysis_db(db, lake, compute)
+    click.echo(f"analysis DB written: {path}")
+
+
+@cli.command("simulate")
+@click.option("--lake", required=True, type=click.Path(file_okay=False, exists=True), help="Lake directory.")
+@click.option("--from", "source", required=True, help="Scenario whose requests are replayed.")
+@click.option("--scenario", required=True, help="Name of the what-if scenario to write (replaced).")
+@click.option("--replicas", type=click.IntRange(min=1), required=True, help="Number of replicas.")
+@click.option("--capacity-tokens", type=click.IntRange(min=1), default=None,
+              help="GPU prefix-cache capacity per replica, in tokens (default: unbounded).")
+@click.option("--pool-tokens", type=click.IntRange(min=1), default=None, help="Shared pool tier, in tokens.")
+@click.option("--routing", type=click.Choice([p.value for p in _routing_policies()]), default="round_robin",
+              show_default=True)
+@click.option("--load-factor", type=float, default=None,
+              help="cache_aware: send to the least loaded replica when the chosen one has more than "
+                   "K x the mean in-flight requests.")
+@click.option("--max-seqs", type=click.IntRange(min=1), default=8, show_default=True,
+              help="Concurrent sequences per replica; more queue.")
+@click.option("--model", default=None, help="Model geometry (default: the requests' model).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, capacity_tokens: int | None,
+                 pool_tokens: int | None, routing: str, load_factor: float | None, max_seqs: int,
+                 model: str | None, seed: int) -> None:
+    """Replay a scenario's requests on N replicas under a routing policy; write a what-if scenario.
+
+    Example: kvlens simulate --lake lake --from conv --scenario rr8 --replicas 8 --routing round_robin
+    """
+    from analyzers.simulate import SimConfig, simulate
+    from kvlens.errors import NoDataError
+    from kvlens.lake import write_scenario
+    from kvlens.query import connect
+    from kvlens.schema import RoutingPolicy
+
+    con = connect(lake=lake)
+    reqs = con.sql("SELECT * FROM requests WHERE scenario = ?", params=[source]).pl()
+    if reqs.is_empty():
+        raise NoDataError(f"scenario {source!r} has no requests in lake {lake}: import it first")
+    blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = ?", params=[source]).pl()
+    geometry = _scenario_model(con, source, model)
+    config = SimConfig(replicas=replicas, capacity_tokens=capacity_tokens, pool_tokens=pool_tokens,
+                       routing=RoutingPolicy(routing), load_factor=load_factor, seed=seed, max_seqs=max_seqs)
+    result = simulate(requests=reqs, request_blocks=blocks, config=config, model=geometry)
+    counts = write_scenario(lake, scenario, {k: v.to_arrow() for k, v in result.tables.items()},
+                            writer_id="simulate")
+    click.echo(f"scenario {scenario!r}: " + ", ".join(f"{n:,} {t}" for t, n in counts.items()))
+
+
+@cli.group("collect")
+def collect_group() -> None:
+    """Follow live sources and append their rows to the lake (scenario: live).
+
+    Example: kvlens collect vllm --endpoint tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --lake lake
+    """
+
+
+@collect_group.command("vllm")
+@click.option("--endpoint", default=None, help="KV-event PUB endpoint (vLLM / SGLang), e.g. tcp://HOST:5557.")
+@click.option("--replay", default=None, help="The publisher's ROUTER replay endpoint, e.g. tcp://HOST:5558.")
+@click.option("--topic", default="", help="Subscription topic prefix (default: every topic).")
+@click.option("--replica", default=None, help="Replica name (default: from a kv@<pod>@<model> topic).")
+@click.option("--model", default=None, help="Model name recorded as the rows' namespace.")
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
+@click.option("--metrics-port", type=int, default=None, help="Serve the collector's own /metrics here.")
+@click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address for /metrics.")
+@click.option("--bind", is_flag=True, help="Bind the endpoint (publishers connect) instead of connecting.")
+@click.option("--config", default=None, type=click.Path(dir_okay=False),
+              help="kvlens.toml whose [[fleet.replicas]] are followed (when no --endpoint).")
+@click.option("--keep-tokens", is_flag=True, help="Keep the blocks' token ids in kv_events.token_ids.")
+@click.option("--record", default=None, type=click.Path(dir_okay=False),
+              help="Also append every frame received to FILE (kvlens import vllm-events reads it).")
+@click.option("--flush-seconds", type=float, default=5.0, show_default=True,
+              help="Commit a segment (with its checkpoint) at least this often.")
+def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, replica: str | None,
+                     model: str | None, lake: str, duration: float | None, metrics_port: int | None,
+                     metrics_addr: str, bind: bool, config: str | None, keep_tokens: bool,
+                     record: str | None, flush_seconds: float) -> None:
+    """Collect vLLM / SGLang KV-cache events over ZMQ into kv_events, with replay and checkpoints.
+
+    Example: kvlens collect vllm --endpoint tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --lake lake
+    """
+    import signal
+
+    from prometheus_client import start_http_server
+
+    from collector.live import CollectorOptions, LiveCollector, build_sources
+
+    sources = build_sources(endpoint=endpoint, replay=replay, topic=topic, replica=replica, model=model,
+                            bind=bind, config=config)
+    collector = LiveCollector(CollectorOptions(lake=lake, sources=sources, keep_tokens=keep_tokens,
+                                               record=record, flush_age_s=flush_seconds))
+    server = None
+    if metrics_port is not None:
+        server, _ = start_http_server(metrics_port, addr=metrics_addr, registry=collector.metrics.registry)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: collector.stop())
+    click.echo(f"collecting {len(sources)} source(s) into {lake} as writer {collector.writer_id}", err=True)
+    try:
+        collector.run(duration_s=duration)
+    finally:
+        if server is not None:
+            server.shutdown()
+    m = collector.metrics
+    for r in sorted({p.replica for p in collector.pubs.values()}):
+        click.echo(f"{r}: {m.value('kvlens_collector_received_batches_total', replica=r):,.0f} batches, "
+                   f"{m.value('kvlens_collector_block_events_total', replica=r):,.0f} block events")
+
+
+@cli.command("hash")
+@click.option("--block-size", type=click.IntRange(min=1), required=True, help="Tokens per block.")
+@click.option("--algo", type=click.Choice(["sha256", "sha256_cbor"]), default="sha256", show_default=True,
+              help="vLLM's --prefix-caching-hash-algo.")
+@click.option("--seed", default=None,
+              help="The engine's PYTHONHASHSEED (default: vLLM's fixed seed 'vllm-none-hash').")
+@click.option("--salt", default=None, help="The request's cache_salt (hashed into the first block).")
+@click.option("--lora", default=None, help="The request's LoRA adapter name.")
+@click.option("--lora-path", default=None, help="The adapter's path (tagged extra keys include it).")
+@click.option("--extra-keys", "style", type=click.Choice(["tagged", "bare"]), default="tagged",
+              show_default=True, help="tagged: ('lora', name, path) / ('cache_salt', s); bare: older vLLM.")
+def hash_cmd(block_size: int, algo: str, seed: str | None, salt: str | None, lora: str | None,
+             lora_path: str | None, style: str) -> None:
+    """Print vLLM's block hashes for token ids read from stdin: position, hex digest, event uint64.
+
+    Token ids are separated by spaces, commas or newlines (a JSON array works too); only full
+    blocks are hashed.
+
+    Example: seq 1 64 | kvlens hash --block-size 16 --algo sha256_cbor --seed 0
+    """
+    import re
+
+    from collector.hashing import vllm_block_hashes
+    from kvlens.errors import InputError
+
+    text = sys.stdin.read()
+    try:
+        tokens = [int(t) for t in re.split(r"[\s,\[\]]+", text) if t]
+    except ValueError as e:
+        raise InputError(f"stdin holds something other than token ids: {e}") from None
+    for b in vllm_block_hashes(tokens, block_size, algo=algo, seed=seed, cache_salt=salt, lora_name=lora,
+                               lora_path=lora_path, extra_keys_style=style):  # type: ignore[arg-type]
+        click.echo(f"{b.position}\t{b.digest.hex()}\t{b.value}")
+
+
+@cli.command("probe")
+@click.option("--model", default=None, help="Model geometry to probe (default: the project default model).")
+@click.option("--prefix-tokens", default=None,
+              help="Comma-separated prefix lengths [GPU default: 4096,16384,32768,65536].")
+@click.option("--lake", type=click.Path(file_okay=False), default=None,
+              help="Append the rows to probe_runs in this lake (scenario probe).")
+@click.option("--quick", is_flag=True, help="Fewer prefix lengths and runs.")
+def probe_cmd(model: str | None, prefix_tokens: str | None, lake: str | None, quick: bool) -> None:
+    """Measure KV transfer paths and prefill on this machine's GPU (a tiny CPU run without one).
+
+    Example: kvlens probe --model llama-3.1-8b --prefix-tokens 4096,16384 --lake lake
+    """
+    from gpu_probe.probe import parse_prefix_tokens, plan_probe, render_table, run_probe, write_probe_rows
+    from gpu_probe.timing import cuda_available, import_torch
+    from kvlens.models import resolve_model
+
+    import_torch()
+    geometry = resolve_model(model)
+    tokens = parse_prefix_tokens(prefix_tokens)
+    cuda = cuda_available()
+    if not cuda:
+        click.echo("CUDA is not available: running a tiny CPU version of each measurement "
+                   "(rows marked source=cpu)")
+    report = run_probe(plan_probe(geometry, tokens, quick=quick, cuda=cuda))
+    click.echo(render_table(report))
+    if lake:
+        rows = write_probe_rows(report, lake)
+        click.echo(f"wrote {rows} probe_runs rows (run {report.run_id}) to {lake}")
+    if not report.byte_exact:
+        raise click.ClickException("a transfer path was not byte-exact (or the delay-injection "
+                                   "check failed); see the table above")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point."""
+    cli.main(args=argv, prog_name="kvlens")
+
+
+if __name__ == "__main__":
+    main()
