@@ -13,11 +13,16 @@ import duckdb
 import polars as pl
 
 from analyzers.ledger import miss_ledger
+from analyzers.mrc import mrc
 from analyzers.outcomes import block_outcomes
 from analyzers.request_ledger import request_ledger
+from analyzers.reuse import reuse
 from kvlens.models import ModelGeometry
 
-__all__ = ["analyze_scenario", "block_outcomes", "miss_ledger", "request_ledger"]
+__all__ = ["analyze_scenario", "block_outcomes", "miss_ledger", "mrc", "request_ledger", "reuse"]
+
+# SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
+SHARDS_RATE = 0.01
 
 
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str,
@@ -36,3 +41,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str,
     yield "block_outcomes", outcomes
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
     yield "request_ledger", per_request
+    yield "reuse", reuse(request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
+                         requests=con.table("requests"), bytes_per_token=per_token, scenario=scenario)
+    yield "mrc", mrc(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
+                     scenario=scenario, sample_rate=SHARDS_RATE)

@@ -1,0 +1,391 @@
+"""Analyzer: request_blocks (and kv_events) -> exact LRU reuse distances in blocks and bytes (table `reuse`).
+
+Convention (the one every curve here relies on):
+
+- An access stream is a sequence of (key, size_bytes, ts_ns). The reuse distance of an access
+  to key ``k`` whose previous access was at index ``p`` is the LRU **stack depth** of ``k``:
+  the distinct keys touched in the window ``(p, i]``, **counting ``k`` itself**. An immediate
+  re-access has ``distance_blocks = 1``. So an LRU cache of ``C`` blocks hits exactly the
+  accesses with ``distance_blocks <= C``, and an LRU cache of ``C`` bytes (variable sizes,
+  evicting from the tail until the newcomer fits) hits exactly those with ``distance_bytes <= C``.
+- ``distance_bytes`` sums each distinct key once, at the size of its most recent access before
+  ``i``: what the cache holds of it, ``k`` included (at its previous size). When a block's size
+  changes, the cache is taken to hold the last size it saw; the new size counts from access
+  ``i`` on (for the blocks after it, and as the bytes that access reads). When every block
+  keeps one size, a byte-capacity LRU hits exactly ``distance_bytes <= C`` for every ``C`` at
+  least the largest block (a block larger than the cache bypasses a real LRU, while the stack
+  model counts its bytes). When sizes change it is the stack model's reading: an LRU that
+  evicted for a block's larger size does not refill when the block shrinks.
+- A first access has no distance (``-1`` in the arrays; no row in the table).
+
+The kernel is numba-compiled: keys are made dense by an open-addressing hash map, then a
+Fenwick tree over access-time slots holds a 1 (and the size) at each key's latest access. The
+tree has ``2·M`` slots for ``M`` distinct keys and is compacted (live slots renumbered in order)
+when time runs past its end, so the work is O(N log M) and the memory O(M). When every access
+has the same size (unit-size blocks, or all full blocks), a count-only int32 tree does the same
+with a quarter of the memory.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import duckdb
+import numba
+import numpy as np
+import polars as pl
+
+from kvlens.errors import NoDataError
+from kvlens.schema import REUSE
+
+__all__ = ["Distances", "reuse", "reuse_distances"]
+
+log = logging.getLogger(__name__)
+
+# Past this many rows the table keeps only the `requests` stream (the others are derived views).
+MAX_REUSE_ROWS = 5_000_000
+_REQUEST_ORDER = "arrival_ns, request_id, position"
+
+
+@dataclass(frozen=True)
+class Distances:
+    """Per-access results, aligned with the input stream; -1 where an access is a first access."""
+
+    blocks: np.ndarray  # int64, distinct keys in (prev, i], the key itself included
+    bytes: np.ndarray  # int64, their bytes (see the module docstring for which size counts)
+    prev: np.ndarray  # int64, index of the previous access to the same key, or -1
+
+    @property
+    def reaccess(self) -> np.ndarray:
+        return self.prev >= 0
+
+
+@numba.njit(cache=True, inline="always")
+def _mix64(x: np.uint64) -> np.uint64:
+    # splitmix64 finalizer: spreads sequential ids (Mooncake's are small integers) over 64 bits.
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True)
+def _factorize(keys: np.ndarray) -> tuple[np.ndarray, int]:
+    """Dense ids 0..M-1 in order of first appearance, via a growing open-addressing table.
+
+    Each table entry is (key, id + 1) side by side, so a probe costs one cache line.
+    """
+    n = keys.shape[0]
+    bits = 16
+    table = np.zeros((1 << bits, 2), np.uint64)
+    ids = np.empty(n, np.int64)
+    m = 0
+    for i in range(n):
+        if 2 * (m + 1) > (1 << bits):
+            bits += 1
+            grown = np.zeros((1 << bits, 2), np.uint64)
+            mask = np.uint64((1 << bits) - 1)
+            for j in range(table.shape[0]):
+                if table[j, 1] != 0:
+                    h = _mix64(table[j, 0]) & mask
+                    while grown[h, 1] != 0:
+                        h = (h + np.uint64(1)) & mask
+                    grown[h, 0] = table[j, 0]
+                    grown[h, 1] = table[j, 1]
+            table = grown
+        mask = np.uint64((1 << bits) - 1)
+        k = keys[i]
+        h = _mix64(k) & mask
+        while table[h, 1] != 0 and table[h, 0] != k:
+            h = (h + np.uint64(1)) & mask
+        if table[h, 1] == 0:
+            m += 1
+            table[h, 0] = k
+            table[h, 1] = np.uint64(m)
+        ids[i] = np.int64(table[h, 1]) - 1
+    return ids, m
+
+
+# The Fenwick tree is one (T, 2) int64 array: column 0 counts live keys, column 1 their bytes,
+# side by side so one node is one cache access. Per-key state is one (M, 4) array:
+# [slot of the latest access or -1, index of the latest access, size at it, unused].
+_SLOT, _LAST, _SIZE = 0, 1, 2
+
+
+@numba.njit(cache=True, inline="always")
+def _fw_add(tree: np.ndarray, slot: int, dc: int, db: int) -> None:
+    j = slot + 1
+    t = tree.shape[0]
+    while j <= t:
+        tree[j - 1, 0] += dc
+        tree[j - 1, 1] += db
+        j += j & -j
+
+
+@numba.njit(cache=True, inline="always")
+def _fw_prefix(tree: np.ndarray, slot: int) -> tuple[int, int]:
+    """Sums over slots 0..slot inclusive."""
+    c = 0
+    b = 0
+    j = slot + 1
+    while j > 0:
+        c += tree[j - 1, 0]
+        b += tree[j - 1, 1]
+        j -= j & -j
+    return c, b
+
+
+@numba.njit(cache=True)
+def _fw_compact(tree: np.ndarray, slot_key: np.ndarray, state: np.ndarray) -> int:
+    """Renumber live slots 0..L-1 in time order, rebuild the tree in O(T); returns L."""
+    t = tree.shape[0]
+    live = 0
+    for j in range(t):
+        k = slot_key[j]
+        if k >= 0 and state[k, _SLOT] == j:
+            slot_key[live] = k
+            state[k, _SLOT] = live
+            live += 1
+    tree[:] = 0
+    slot_key[live:] = -1
+    for j in range(t):
+        if j < live:
+            tree[j, 0] += 1
+            tree[j, 1] += state[slot_key[j], _SIZE]
+        parent = j + ((j + 1) & -(j + 1))  # linear-time build: push each node into its parent
+        if parent < t:
+            tree[parent, 0] += tree[j, 0]
+            tree[parent, 1] += tree[j, 1]
+    return live
+
+
+@numba.njit(cache=True)
+def _stack_kernel(ids: np.ndarray, sizes: np.ndarray, tree: np.ndarray, slot_key: np.ndarray,
+                  state: np.ndarray, d_blocks: np.ndarray, d_bytes: np.ndarray, prev: np.ndarray) -> None:
+    n = ids.shape[0]
+    t = tree.shape[0]
+    live_c = 0
+    live_b = 0
+    nxt = 0
+    for i in range(n):
+        k = ids[i]
+        s = sizes[i]
+        p = state[k, _SLOT]
+        if p >= 0:
+            old = state[k, _SIZE]
+            c, b = _fw_prefix(tree, p)
+            d_blocks[i] = live_c - c + 1
+            d_bytes[i] = live_b - b + old
+            prev[i] = state[k, _LAST]
+            _fw_add(tree, p, -1, -old)
+            live_c -= 1
+            live_b -= old
+            slot_key[p] = -1
+        if nxt == t:
+            nxt = _fw_compact(tree, slot_key, state)
+        _fw_add(tree, nxt, 1, s)
+        state[k, _SLOT] = nxt
+        state[k, _LAST] = i
+        state[k, _SIZE] = s
+        slot_key[nxt] = k
+        live_c += 1
+        live_b += s
+        nxt += 1
+
+
+@numba.njit(cache=True)
+def _uniform_kernel(ids: np.ndarray, tree: np.ndarray, slot_key: np.ndarray, slot_of: np.ndarray,
+                    last_i: np.ndarray, d_blocks: np.ndarray, prev: np.ndarray) -> None:
+    """Every access the same size: a count-only int32 tree, a quarter of the memory traffic."""
+    t = tree.shape[0]
+    live = 0
+    nxt = 0
+    for i in range(ids.shape[0]):
+        k = ids[i]
+        p = slot_of[k]
+        if p >= 0:
+            c = 0
+            j = p + 1
+            while j > 0:
+                c += tree[j - 1]
+                j -= j & -j
+            d_blocks[i] = live - c + 1
+            prev[i] = last_i[k]
+            j = p + 1
+            while j <= t:
+                tree[j - 1] -= 1
+                j += j & -j
+            live -= 1
+            slot_key[p] = -1
+        if nxt == t:
+            nxt = 0
+            for j in range(t):
+                kk = slot_key[j]
+                if kk >= 0 and slot_of[kk] == j:
+                    slot_key[nxt] = kk
+                    slot_of[kk] = nxt
+                    nxt += 1
+            slot_key[nxt:] = -1
+            tree[:] = 0
+            for j in range(t):
+                if j < nxt:
+                    tree[j] += 1
+                parent = j + ((j + 1) & -(j + 1))
+                if parent < t:
+                    tree[parent] += tree[j]
+        j = nxt + 1
+        while j <= t:
+            tree[j - 1] += 1
+            j += j & -j
+        slot_of[k] = nxt
+        last_i[k] = i
+        slot_key[nxt] = k
+        live += 1
+        nxt += 1
+
+
+def _uniform_distances(ids: np.ndarray, size: int, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    t = max(2 * n_keys, 64)
+    d_blocks = np.full(ids.shape[0], -1, np.int64)
+    prev = np.full(ids.shape[0], -1, np.int64)
+    _uniform_kernel(ids, np.zeros(t, np.int32), np.full(t, -1, np.int32), np.full(n_keys, -1, np.int32),
+                    np.zeros(n_keys, np.int64), d_blocks, prev)
+    d_bytes = np.where(d_blocks >= 0, d_blocks * size, -1)
+    return d_blocks, d_bytes, prev
+
+
+def _stack_distances(ids: np.ndarray, sizes: np.ndarray, n_keys: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    # Allocated by NumPy, not inside the kernel: NumPy asks the kernel for transparent huge pages
+    # on large arrays, and the random walks over the tree and key state are TLB-bound without them.
+    n = ids.shape[0]
+    t = max(2 * n_keys, 64)
+    tree = np.zeros((t, 2), np.int64)
+    slot_key = np.full(t, -1, np.int64)
+    state = np.zeros((n_keys, 4), np.int64)
+    state[:, _SLOT] = -1
+    d_blocks = np.full(n, -1, np.int64)
+    d_bytes = np.full(n, -1, np.int64)
+    prev = np.full(n, -1, np.int64)
+    _stack_kernel(ids, sizes, tree, slot_key, state, d_blocks, d_bytes, prev)
+    return d_blocks, d_bytes, prev
+
+
+def reuse_distances(keys: np.ndarray, sizes: np.ndarray | int = 1) -> Distances:
+    """Exact stack distances of an access stream (see the module docstring for the convention).
+
+    ``keys``: uint64-convertible array; ``sizes``: per-access bytes (an int means every access).
+    """
+    keys = np.ascontiguousarray(keys, dtype=np.uint64)
+    sizes_arr = (np.full(keys.shape[0], sizes, np.int64) if np.isscalar(sizes)
+                 else np.ascontiguousarray(sizes, dtype=np.int64))
+    if sizes_arr.shape != keys.shape:
+        raise ValueError(f"sizes has shape {sizes_arr.shape}, keys {keys.shape}")
+    if keys.shape[0] == 0:
+        empty = np.empty(0, np.int64)
+        return Distances(empty, empty, empty)
+    ids, m = _factorize(keys)
+    if m < 2**30 and sizes_arr.min() == sizes_arr.max():
+        blocks, byts, prev = _uniform_distances(ids, int(sizes_arr[0]), m)
+    else:
+        blocks, byts, prev = _stack_distances(ids, sizes_arr, m)
+    return Distances(blocks, byts, prev)
+
+
+# -- streams -----------------------------------------------------------------------------------
+
+
+def _scenario_rows(rel: duckdb.DuckDBPyRelation, scenario: str) -> duckdb.DuckDBPyRelation:
+    return rel.filter(duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
+
+
+def request_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str,
+                   requests: duckdb.DuckDBPyRelation | None = None) -> pl.DataFrame:
+    """The `requests` stream: block_hash, block_tokens, ts_ns, position, replica, in access order.
+
+    Order: arrival_ns, then request_id (ties in arrival keep a stable order), then position.
+    """
+    rb = _scenario_rows(request_blocks, scenario).project(
+        "request_id, arrival_ns, position, block_hash, coalesce(block_tokens, 0) AS block_tokens"
+    ).order(_REQUEST_ORDER)
+    frame = pl.from_arrow(rb.arrow())
+    assert isinstance(frame, pl.DataFrame)
+    if requests is not None and frame.height:
+        reps = pl.from_arrow(_scenario_rows(requests, scenario).project("request_id, replica").arrow())
+        assert isinstance(reps, pl.DataFrame)
+        frame = frame.join(reps.unique("request_id"), on="request_id", how="left", maintain_order="left")
+    else:
+        frame = frame.with_columns(replica=pl.lit(None, pl.String))
+    return frame.rename({"arrival_ns": "ts_ns"})
+
+
+def _rows(stream: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray) -> pl.DataFrame:
+    d = reuse_distances(keys, sizes)
+    hit = d.reaccess
+    return pl.DataFrame({
+        "stream": stream,
+        "block_hash": keys[hit],
+        "ts_ns": ts[hit],
+        "distance_blocks": d.blocks[hit],
+        "distance_bytes": d.bytes[hit],
+        "interval_ns": ts[hit] - ts[d.prev[hit]],
+    }, schema_overrides={"block_hash": pl.UInt64})
+
+
+def _frame_rows(stream: str, f: pl.DataFrame, bytes_per_token: int) -> pl.DataFrame:
+    return _rows(stream, f["block_hash"].to_numpy(),
+                 f["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token,
+                 f["ts_ns"].to_numpy())
+
+
+def _event_stream(kv_events: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
+    ev = _scenario_rows(kv_events, scenario).filter("kind = 'stored' AND block_hash IS NOT NULL").project(
+        "ts_ns, seq, replica, CAST(medium AS VARCHAR) AS medium, block_hash, block_tokens"
+    ).order("ts_ns, replica, seq")
+    frame = pl.from_arrow(ev.arrow())
+    assert isinstance(frame, pl.DataFrame)
+    known = frame["block_tokens"].drop_nulls()
+    fill = int(known.mode().sort()[0]) if len(known) else 0
+    return frame.with_columns(pl.col("block_tokens").fill_null(fill))
+
+
+def reuse(*, request_blocks: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPyRelation | None = None,
+          bytes_per_token: int, scenario: str,
+          requests: duckdb.DuckDBPyRelation | None = None) -> pl.DataFrame:
+    """Rows of table `reuse`: one per re-access, per stream, sorted by stream, ts_ns, block_hash.
+
+    Columns: scenario, stream, block_hash, ts_ns, distance_blocks, distance_bytes (block bytes =
+    block_tokens × bytes_per_token), interval_ns. Streams:
+
+    - ``requests``: every request_blocks row of the scenario in arrival order, then position.
+      A shared pool (``fleet``) sees exactly this stream, so it is not written twice.
+    - ``replica:<name>``: the requests served by one replica (needs ``requests`` for the replica).
+    - ``group:<root hash>``: each re-access of a prefix group (the chain root, position 0): its
+      distance in the ``requests`` stream, i.e. the bytes an LRU would have to hold to keep it.
+    - from ``kv_events`` (stored rows only): ``fleet`` (every replica's stores, what a pool fed by
+      all publishes sees) and ``replica:<name>/<medium>`` (what each replica's tier stored again:
+      a re-store is a block recomputed after eviction, its distance what would have kept it).
+
+    Past MAX_REUSE_ROWS rows only the ``requests`` stream is kept (logged).
+    """
+    rs = request_stream(request_blocks, scenario, requests)
+    if rs.height == 0:
+        raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
+    base = _frame_rows("requests", rs, bytes_per_token)
+    parts = [base]
+    roots = base.join(rs.filter(pl.col("position") == 0).select("block_hash").unique(), on="block_hash")
+    parts.append(roots.with_columns(stream=pl.format("group:{}", pl.col("block_hash"))))
+    for (name,), f in rs.filter(pl.col("replica").is_not_null()).group_by("replica", maintain_order=True):
+        parts.append(_frame_rows(f"replica:{name}", f, bytes_per_token))
+    if kv_events is not None:
+        ev = _event_stream(kv_events, scenario)
+        if ev.height:
+            parts.append(_frame_rows("fleet", ev, bytes_per_token))
+            for (rep, med), f in ev.group_by("replica", "medium", maintain_order=True):
+                parts.append(_frame_rows(f"replica:{rep}/{med}", f, bytes_per_token))
+    if sum(p.height for p in parts) > MAX_REUSE_ROWS:
+        log.warning("reuse: %d rows over %d; keeping only the requests stream",
+                    sum(p.height for p in parts), MAX_REUSE_ROWS)
+        parts = [base]
+    out = pl.concat(parts).with_columns(scenario=pl.lit(scenario))
+    return out.select(REUSE.names).sort("stream", "ts_ns", "block_hash")

@@ -1,0 +1,122 @@
+"""Exact reuse distance: hand-computed cases, the pure-Python oracle, and the `reuse` table."""
+
+from __future__ import annotations
+
+import duckdb
+import numpy as np
+import polars as pl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from analyzers.reuse import reuse, reuse_distances
+from kvlens.schema import REUSE
+
+
+def oracle(keys: list[int], sizes: list[int]) -> tuple[list[int], list[int]]:
+    """Distinct keys (and bytes) in (prev, i], the key itself included, by direct enumeration.
+
+    Every key counts at the size of its latest access before i (the key itself included).
+    """
+    blocks, byts = [], []
+    last: dict[int, int] = {}
+    for i, k in enumerate(keys):
+        if k not in last:
+            blocks.append(-1)
+            byts.append(-1)
+        else:
+            latest: dict[int, int] = {}
+            for j in range(last[k] + 1, i):
+                latest[keys[j]] = sizes[j]
+            latest[k] = sizes[last[k]]
+            blocks.append(len(latest))
+            byts.append(sum(latest.values()))
+        last[k] = i
+    return blocks, byts
+
+
+# Six accesses; block 2 grows from 20 to 25 bytes at its second access.
+SIX_KEYS = [1, 2, 1, 3, 2, 1]
+SIX_SIZES = [10, 20, 10, 30, 25, 10]
+SIX_BLOCKS = [-1, -1, 2, -1, 3, 3]  # (0,2]={2,1}; (1,4]={1,3,2}; (2,5]={3,2,1}
+SIX_BYTES = [-1, -1, 30, -1, 60, 65]  # 20+10; 10+30+20 (2 as cached); 30+25 (its newest)+10
+
+
+def test_six_accesses_by_hand() -> None:
+    d = reuse_distances(np.array(SIX_KEYS), np.array(SIX_SIZES))
+    assert d.blocks.tolist() == SIX_BLOCKS
+    assert d.bytes.tolist() == SIX_BYTES
+    assert d.prev.tolist() == [-1, -1, 0, -1, 1, 2]
+    assert oracle(SIX_KEYS, SIX_SIZES) == (SIX_BLOCKS, SIX_BYTES)
+
+
+def test_immediate_reaccess_has_distance_one_and_cached_size() -> None:
+    d = reuse_distances(np.array([7, 7, 7], dtype=np.uint64), np.array([5, 6, 6]))
+    assert d.blocks.tolist() == [-1, 1, 1]
+    assert d.bytes.tolist() == [-1, 5, 6]
+
+
+def test_keys_above_2_63_and_empty_stream() -> None:
+    big = np.array([2**64 - 1, 2**63, 2**64 - 1], dtype=np.uint64)
+    assert reuse_distances(big, 1).blocks.tolist() == [-1, -1, 2]
+    assert reuse_distances(np.array([], dtype=np.uint64)).blocks.size == 0
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 9)), min_size=1, max_size=400))
+def test_matches_oracle_on_random_streams(stream: list[tuple[int, int]]) -> None:
+    # Up to 400 accesses over 13 keys: the 64-slot tree is compacted many times.
+    keys = [k for k, _ in stream]
+    sizes = [s for _, s in stream]
+    d = reuse_distances(np.array(keys, dtype=np.uint64), np.array(sizes))
+    assert (d.blocks.tolist(), d.bytes.tolist()) == oracle(keys, sizes)
+
+
+def test_matches_oracle_across_many_compactions() -> None:
+    rng = np.random.default_rng(3)
+    keys = (rng.zipf(1.3, 3000) % 200).tolist()
+    sizes = rng.integers(1, 50, 3000).tolist()
+    d = reuse_distances(np.array(keys, dtype=np.uint64), np.array(sizes))
+    assert (d.blocks.tolist(), d.bytes.tolist()) == oracle(keys, sizes)
+
+
+def _relations(con: duckdb.DuckDBPyConnection) -> tuple[duckdb.DuckDBPyRelation, ...]:
+    # Three requests: r1 on a (blocks 1,2), r2 on b (blocks 1,3), r3 on a (blocks 1,2, tail 4).
+    rb = pl.DataFrame({
+        "request_id": ["r1", "r1", "r2", "r2", "r3", "r3", "r3", "x"],
+        "scenario": ["s"] * 7 + ["other"],
+        "arrival_ns": [100, 100, 200, 200, 400, 400, 400, 0],
+        "position": [0, 1, 0, 1, 0, 1, 2, 0],
+        "block_hash": pl.Series([1, 2, 1, 3, 1, 2, 4, 1], dtype=pl.UInt64),
+        "block_tokens": [16, 16, 16, 16, 16, 16, 5, 16],
+        "block_size_tokens": [16] * 8,
+    })
+    req = pl.DataFrame({"request_id": ["r1", "r2", "r3"], "scenario": ["s"] * 3, "replica": ["a", "b", "a"]})
+    ev = pl.DataFrame({
+        "ts_ns": [10, 20, 30, 40], "scenario": ["s"] * 4, "replica": ["a", "a", "b", "a"],
+        "seq": [1, 2, 3, 4], "kind": ["stored", "stored", "stored", "removed"],
+        "block_hash": pl.Series([1, 2, 1, 1], dtype=pl.UInt64),
+        "block_tokens": [16, None, 16, 16], "medium": ["gpu"] * 4,
+    })
+    return con.from_arrow(rb.to_arrow()), con.from_arrow(req.to_arrow()), con.from_arrow(ev.to_arrow())
+
+
+def test_reuse_table_streams() -> None:
+    con = duckdb.connect()
+    rb, req, ev = _relations(con)
+    out = reuse(request_blocks=rb, kv_events=ev, bytes_per_token=2, scenario="s", requests=req)
+    assert out.columns == list(REUSE.names)
+    by = {s: f.sort("ts_ns", "block_hash") for (s,), f in out.group_by("stream")}
+    # requests stream 1,2,1,3,1,2,4: re-accesses 1@200 (d=2), 1@400 (d=2: 3,1), 2@400 (d=3: 3,1,2)
+    r = by["requests"]
+    assert r["block_hash"].to_list() == [1, 1, 2]
+    assert r["distance_blocks"].to_list() == [2, 2, 3]
+    assert r["distance_bytes"].to_list() == [64, 64, 96]
+    assert r["interval_ns"].to_list() == [100, 200, 300]
+    assert by["group:1"]["distance_blocks"].to_list() == [2, 2]
+    # replica a saw 1,2 then 1,2,4: both re-accesses at distance 2
+    assert by["replica:a"]["distance_blocks"].to_list() == [2, 2]
+    assert by["replica:b"].height == 0 if "replica:b" in by else True
+    # kv_events stores: fleet 1,2,1 -> one re-store at distance 2; the NULL size takes the mode (16)
+    assert by["fleet"]["distance_bytes"].to_list() == [64]
+    assert "replica:a/gpu" not in by  # a stored 1 and 2 once each
+    assert (out["scenario"] == "s").all()
