@@ -11,13 +11,17 @@ One JSON object per line (README, "Gateway log format"):
 - ``block_size`` (int, default 16) and ``block_hashes``: the prompt's block keys in order,
   ints (signed ones are folded to unsigned 64-bit) or hex digests (the last 8 bytes are
   kept, as vLLM's events do); full blocks only, or full blocks plus the partial tail;
-- ``token_ids`` instead of ``block_hashes`` needs the vLLM-compatible hasher and is refused
-  until kvlens has it.
+- or ``token_ids`` (the prompt's token ids, as many as ``prompt_tokens``) in place of
+  ``block_hashes``: the full blocks are hashed as vLLM does (collector.hashing), with
+  ``hash_algo`` (``sha256``, the engine default, or ``sha256_cbor``), ``hash_seed`` (the
+  engine's PYTHONHASHSEED; default vLLM's fixed seed), ``cache_salt``, ``lora_name`` and
+  ``lora_path`` from the line when given. With ``token_ids``, ``content_hash`` is set too
+  (kvlens's token-content chain, the one the event collector writes).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from collector.importer import (
     INT64_MAX,
@@ -51,6 +55,27 @@ def _arrival_ns(rec: dict[str, Any]) -> int:
         raise FieldError("arrival", f"not an RFC 3339 time with a zone: {e}") from None
 
 
+def _token_blocks(rec: dict[str, Any], block: int, prompt: int) -> tuple[list[int] | None, list[int | None]]:
+    """(vLLM block hashes when the line has no block_hashes, content hashes) from token_ids."""
+    from collector.hashing import ALGOS, content_hashes, vllm_block_hashes
+
+    tokens = rec.get("token_ids")
+    if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**32 for t in tokens):
+        raise FieldError("token_ids", "expected a list of token ids (integers from 0 to 2**32-1)")
+    if len(tokens) != prompt:
+        raise FieldError("token_ids", f"{len(tokens)} token ids for {prompt} prompt tokens")
+    contents: list[int | None] = list(content_hashes(tokens, block) or [])
+    if "block_hashes" in rec:
+        return None, contents
+    algo = opt_str(rec, "hash_algo") or "sha256"
+    if algo not in ALGOS:
+        raise FieldError("hash_algo", f"{algo!r} is not one of {', '.join(ALGOS)}")
+    hashed = vllm_block_hashes(tokens, block, algo=algo, seed=opt_str(rec, "hash_seed"),
+                               cache_salt=opt_str(rec, "cache_salt"), lora_name=opt_str(rec, "lora_name"),
+                               lora_path=opt_str(rec, "lora_path"))
+    return [b.value for b in hashed], contents
+
+
 def _opt_number(rec: dict[str, Any], key: str) -> float | None:
     return need_number(rec, key) if rec.get(key) is not None else None
 
@@ -64,12 +89,10 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
         if not request_id:
             raise FieldError("request_id", "missing or empty")
         block = need_int(rec, "block_size", minimum=1) if "block_size" in rec else DEFAULT_BLOCK_TOKENS
-        if "block_hashes" not in rec:
-            if "token_ids" in rec:
-                raise FieldError("token_ids", "token ids need the vLLM-compatible hasher, which this "
-                                              "kvlens does not have yet: log block_hashes instead")
-            raise FieldError("block_hashes", "missing: give the prompt's block hashes")
-        hashes = need_hashes(rec, "block_hashes")
+        if "block_hashes" not in rec and "token_ids" not in rec:
+            raise FieldError("block_hashes", "missing: give the prompt's block hashes or its token_ids")
+        from_tokens, contents = _token_blocks(rec, block, prompt) if "token_ids" in rec else (None, [])
+        hashes = from_tokens if from_tokens is not None else need_hashes(rec, "block_hashes")
         row_model = opt_str(rec, "model") or model
         return Parsed(
             request={
@@ -87,6 +110,9 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
             },
             block_hashes=hashes,
             block_tokens=tail_tokens(prompt, len(hashes), block, "block_hashes"),
+            # a hashed partial tail has no content hash: NULL (the importer writes None through)
+            content_hashes=cast("list[int]", (contents + [None] * len(hashes))[:len(hashes)]) if contents
+            else None,
             block_size_tokens=block,
             namespace=opt_str(rec, "namespace") or row_model,
         )

@@ -16,7 +16,7 @@ from kvlens.errors import KvlensError
 
 __all__ = ["cli", "main"]
 
-IMPORT_FORMATS = ("mooncake", "bailian", "gateway")
+IMPORT_FORMATS = ("mooncake", "bailian", "gateway", "vllm-events")
 
 
 def _routing_policies() -> list[Any]:
@@ -80,6 +80,14 @@ def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model
 
     Example: kvlens import mooncake conversation_trace.jsonl --lake lake --scenario conv
     """
+    if fmt == "vllm-events":  # frames recorded by `kvlens collect vllm --record` -> kv_events
+        from collector.vllm_events import import_capture
+
+        counts = import_capture(files, lake, scenario=scenario, model=model)
+        click.echo(f"imported {counts['batches']:,} batches and {counts['rows']:,} kv_events rows into "
+                   f"scenario {scenario!r} of {lake} ({counts['bad_frames']:,} bad frames, "
+                   f"{counts['bad_events']:,} bad events, {counts['duplicates']:,} duplicates skipped)")
+        return
     from collector.importer import import_files
 
     with _progress_bar(files, f"import {fmt}") as bar:

@@ -222,14 +222,41 @@ def test_gateway_rfc3339_fraction_is_exact(tmp_path: Path, write_jsonl: Callable
     assert _query(lake, "SELECT arrival_ns FROM request_blocks") == [(expected,)]
 
 
-def test_gateway_token_ids_refused(tmp_path: Path, write_jsonl: Callable[..., Path]) -> None:
+def test_gateway_token_ids_hashed_as_vllm_does(tmp_path: Path, write_jsonl: Callable[..., Path]) -> None:
+    from collector.hashing import content_hashes, vllm_block_hashes
+
+    tokens = list(range(100, 140))  # 2 full blocks of 16 and a tail of 8 (not hashed, as vLLM does)
     path = write_jsonl("gw.jsonl", [
-        {"request_id": "t1", "arrival_ns": 1, "prompt_tokens": 3, "token_ids": [1, 2, 3]},
+        {"request_id": "t1", "arrival_ns": 1, "prompt_tokens": 40, "token_ids": tokens},
+        {"request_id": "t2", "arrival_ns": 2, "prompt_tokens": 40, "token_ids": tokens, "block_size": 8,
+         "hash_algo": "sha256_cbor", "hash_seed": "0", "cache_salt": "acme", "namespace": "ns"},
     ])
+    lake = tmp_path / "lake"
+    import_files("gateway", [path], lake)
+    got = _query(lake, "SELECT request_id, position, block_hash, content_hash, block_tokens, namespace "
+                       "FROM request_blocks ORDER BY request_id, position")
+    t1 = vllm_block_hashes(tokens, 16)  # sha256 over pickle, vLLM's default seed
+    t2 = vllm_block_hashes(tokens, 8, algo="sha256_cbor", seed="0", cache_salt="acme")
+    c1, c2 = content_hashes(tokens, 16), content_hashes(tokens, 8)
+    assert c1 is not None and c2 is not None
+    assert got == [("t1", i, b.value, c1[i], 16, None) for i, b in enumerate(t1)] + [
+        ("t2", i, b.value, c2[i], 8, "ns") for i, b in enumerate(t2)]
+    assert len(t1) == 2 and len(t2) == 5
+
+
+@pytest.mark.parametrize(("line", "field"), [
+    ({"prompt_tokens": 3}, "block_hashes"),
+    ({"prompt_tokens": 4, "token_ids": [1, 2, 3]}, "token_ids"),
+    ({"prompt_tokens": 2, "token_ids": [1, "2"]}, "token_ids"),
+    ({"prompt_tokens": 2, "token_ids": [1, 2], "hash_algo": "xxhash"}, "hash_algo"),
+])
+def test_gateway_bad_token_lines_refused(tmp_path: Path, write_jsonl: Callable[..., Path],
+                                         line: dict[str, object], field: str) -> None:
+    path = write_jsonl("gw.jsonl", [{"request_id": "t1", "arrival_ns": 1, **line}])
     with pytest.raises(InputError) as info:
         import_files("gateway", [path], tmp_path / "lake")
     msg = str(info.value)
-    assert "block_hashes" in msg
+    assert f"field {field!r}" in msg
     assert str(path) in msg and "line 1" in msg
 
 

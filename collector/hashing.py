@@ -1,0 +1,142 @@
+"""Collector-side hashing: vLLM-compatible chained block hashes, and kvlens's content hash.
+
+vLLM (``vllm/v1/core/kv_cache_utils.py``, FORMATS.md 1.8) keys each full block by
+``hash_fn((parent_digest or NONE_HASH, tuple(block_token_ids), extra_keys_or_None))``:
+
+- ``sha256``: ``sha256(pickle.dumps(obj, protocol=HIGHEST))`` (the engine's default);
+- ``sha256_cbor``: ``sha256(cbor2.dumps(obj, canonical=True))`` (reproducible anywhere);
+- ``NONE_HASH = hash_fn(seed)`` where the seed is ``PYTHONHASHSEED`` when the engine had it
+  set, else the fixed string ``"vllm-none-hash"`` (vLLM ≥ the release that added
+  ``DEFAULT_NONE_HASH_SEED``; older releases drew 32 random bytes, which nobody can redo);
+- extra keys: the LoRA on every block, the cache salt on the first block only. Recent vLLM
+  tags them (``("lora", name, path)``, ``("cache_salt", salt)``); older releases put the bare
+  strings. ``extra_keys_style`` picks one. Multimodal and prompt-embeds keys are not redone.
+- the event form is the digest's last 8 bytes, big-endian, as an unsigned 64-bit int.
+
+``content_hashes`` is kvlens's own chain over token ids alone (no seed, no extra keys, no
+model): BLAKE2b-64 of ``parent (8 bytes LE) || tokens (uint32 LE)``, root parent 0. Engine
+events and gateway logs both use it, so the same text under another cache key still joins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import sys
+from array import array
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import cbor2
+
+__all__ = [
+    "ALGOS",
+    "DEFAULT_SEED",
+    "BlockHash",
+    "content_hashes",
+    "event_hash",
+    "hash_function",
+    "none_hash",
+    "vllm_block_hashes",
+]
+
+DEFAULT_SEED = "vllm-none-hash"
+ALGOS = ("sha256", "sha256_cbor")
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_BLAKE2B_8 = hashlib.blake2b(digest_size=8)
+
+Algo = Literal["sha256", "sha256_cbor"]
+ExtraKeysStyle = Literal["tagged", "bare"]
+
+
+def _sha256_pickle(obj: Any) -> bytes:
+    return hashlib.sha256(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)).digest()
+
+
+def _sha256_cbor(obj: Any) -> bytes:
+    return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
+
+
+_FUNCTIONS: dict[str, Callable[[Any], bytes]] = {"sha256": _sha256_pickle, "sha256_cbor": _sha256_cbor}
+
+
+def hash_function(algo: str) -> Callable[[Any], bytes]:
+    """vLLM's ``--prefix-caching-hash-algo`` function of that name (sha256 or sha256_cbor)."""
+    try:
+        return _FUNCTIONS[algo]
+    except KeyError:
+        raise ValueError(f"unknown hash algorithm {algo!r}: choose one of {', '.join(ALGOS)}") from None
+
+
+def none_hash(algo: str = "sha256", seed: str | None = None) -> bytes:
+    """The chain root: ``hash_fn(seed)``; seed ``None`` means vLLM's fixed default."""
+    return hash_function(algo)(DEFAULT_SEED if seed is None else seed)
+
+
+def event_hash(digest: bytes) -> int:
+    """A 32-byte digest as vLLM's events carry it: the last 8 bytes, big-endian, unsigned."""
+    return int.from_bytes(digest[-8:], "big")
+
+
+@dataclass(frozen=True)
+class BlockHash:
+    position: int  # block index in the prompt, from 0
+    digest: bytes  # the engine's 32-byte BlockHash
+    value: int  # the event form (uint64)
+
+
+def _extra_keys(position: int, lora_name: str | None, lora_path: str | None, cache_salt: str | None,
+                style: ExtraKeysStyle) -> tuple[Any, ...] | None:
+    keys: list[Any] = []
+    if lora_name is not None:
+        keys.append(("lora", lora_name, lora_path) if style == "tagged" else lora_name)
+    if cache_salt and position == 0:
+        keys.append(("cache_salt", cache_salt) if style == "tagged" else cache_salt)
+    return tuple(keys) if keys else None
+
+
+def vllm_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    algo: str = "sha256",
+    seed: str | None = None,
+    cache_salt: str | None = None,
+    lora_name: str | None = None,
+    lora_path: str | None = None,
+    extra_keys_style: ExtraKeysStyle = "tagged",
+) -> list[BlockHash]:
+    """The chained hashes vLLM computes for the full blocks of ``token_ids`` (tail ignored)."""
+    if block_size < 1:
+        raise ValueError(f"block size must be >= 1, got {block_size}")
+    fn = hash_function(algo)
+    parent = none_hash(algo, seed)
+    out = []
+    for pos in range(len(token_ids) // block_size):
+        block = tuple(int(t) for t in token_ids[pos * block_size:(pos + 1) * block_size])
+        parent = fn((parent, block, _extra_keys(pos, lora_name, lora_path, cache_salt, extra_keys_style)))
+        out.append(BlockHash(pos, parent, event_hash(parent)))
+    return out
+
+
+def content_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -> list[int] | None:
+    """kvlens's chain over token content alone, one uint64 per full block; None for ids that
+    do not fit uint32 (no tokenizer has such a vocabulary: the input is wrong)."""
+    try:
+        tokens = array("I", token_ids)
+    except (OverflowError, TypeError):
+        return None
+    if not _LITTLE_ENDIAN:
+        tokens.byteswap()
+    raw = tokens.tobytes()
+    step = 4 * block_size
+    prev = parent.to_bytes(8, "little")
+    out = []
+    for start in range(0, (len(raw) // step) * step, step):
+        h = _BLAKE2B_8.copy()  # cheaper than a constructor with keywords, per block
+        h.update(prev)
+        h.update(raw[start:start + step])
+        prev = h.digest()
+        out.append(int.from_bytes(prev, "little"))
+    return out

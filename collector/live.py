@@ -1,0 +1,545 @@
+"""Collector for live engine KV events: ZMQ SUB -> bounded queue -> decoder -> ``kv_events`` segments.
+
+Two threads. The **reader** owns the SUB sockets (one per configured source; it connects to
+publishers that bind, as vLLM does by default, or binds for publishers that connect) and
+only moves multipart messages into a queue bounded in batches *and* bytes. The
+**processor** (the caller's thread) tracks sequences, asks for replays, decodes, writes.
+
+- Back-pressure, never unbounded growth: when the disk is slow the queue fills, the reader
+  blocks in ``put``, the SUB socket's receive high-water mark (``rcvhwm``) fills, and the
+  publisher's PUB socket then drops batches. Those drops surface as sequence gaps, which
+  the replay socket fills while the engine still buffers them; what it no longer buffers is
+  counted and recorded (below). Memory is bounded by ``queue_bytes`` + ``rcvhwm`` messages
+  + one replay reply at a time + the rows buffered until the next segment (``flush_rows``).
+- Sequences per publisher (replica and topic): a duplicate (``seq`` <= last, with an engine
+  time not newer) is dropped; ``seq`` going back with a newer engine time is a publisher
+  restart, recorded as a ``cleared`` row for that replica (its cache is gone); a gap asks
+  the publisher's ROUTER for ``last+1`` (reply shapes ``[topic, seq, payload]`` and the
+  older ``[seq, payload]``, ending at the all-0xFF sequence or an empty payload).
+- A gap the replay cannot fill is a ``metric_samples`` row named
+  ``kvlens_collector_gap_batches`` (value: batches lost; labels: publisher, from_seq,
+  to_seq), so the ledger can say its numbers for that window are incomplete.
+- Restart safety: each ``kv_events`` segment carries ``{"publishers": {key: {seq, ts_ns,
+  endpoint}}}`` as its checkpoint, written atomically with the rows. A restarted collector
+  reads ``latest_checkpoint`` and asks each publisher's replay socket for what follows, so
+  ``kill -9`` loses and duplicates nothing the engine still buffers.
+- Malformed frames (wrong frame count, truncated msgpack, wrong types, oversize) are
+  counted by reason, logged with their first bytes, and skipped; the sequence still advances.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from collector.vllm_events import (
+    DEFAULT_MAX_PAYLOAD_BYTES,
+    END_SEQ,
+    DecodeError,
+    EventDecoder,
+    KvColumns,
+    capture_line,
+    split_frames,
+    topic_replica,
+)
+from kvlens.lake import SegmentWriter, latest_checkpoint
+from kvlens.schema import EventKind
+
+__all__ = [
+    "GAP_METRIC", "CollectorMetrics", "CollectorOptions", "LiveCollector", "Source", "build_sources",
+    "writer_id_for",
+]
+
+log = logging.getLogger(__name__)
+
+GAP_METRIC = "kvlens_collector_gap_batches"
+_NEVER = 1 << 62  # SegmentWriter never flushes by itself: every segment gets a checkpoint
+_ARROW_CHUNK_ROWS = 16_384
+
+
+@dataclass(frozen=True)
+class Source:
+    """One SUB endpoint: a replica's publisher (connect) or a bound address publishers join."""
+
+    endpoint: str
+    replay: str | None = None
+    name: str | None = None
+    topic: str = ""
+    model: str | None = None
+    bind: bool = False
+
+
+@dataclass
+class CollectorOptions:
+    lake: str | Path
+    sources: Sequence[Source]
+    scenario: str = "live"
+    writer_id: str | None = None
+    keep_tokens: bool = False
+    flush_age_s: float = 5.0
+    flush_rows: int = 500_000
+    queue_batches: int = 10_000
+    queue_bytes: int = 64 * 2**20
+    rcvhwm: int = 10_000
+    replay_timeout_s: float = 2.0
+    replay_rounds: int = 8
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    record: str | Path | None = None
+
+
+def writer_id_for(sources: Sequence[Source]) -> str:
+    """A stable writer id from the replica names (or endpoints): ``live-<names>``."""
+    names = sorted(s.name or re.sub(r"^\w+://", "", s.endpoint) for s in sources)
+    text = re.sub(r"[^A-Za-z0-9_.]+", "_", "+".join(names)).strip("_")
+    if len(text) > 60:
+        import hashlib
+
+        text = text[:44] + "_" + hashlib.sha1(text.encode()).hexdigest()[:12]
+    return f"live-{text or 'default'}"
+
+
+class CollectorMetrics:
+    """The collector's own Prometheus metrics, unit-suffixed, in their own registry."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        p = "kvlens_collector_"
+        rl = ["replica"]
+        self.batches = Counter(p + "received_batches", "Batches accepted (live and replayed)", rl, registry=r)
+        self.block_events = Counter(p + "block_events", "kv_events rows decoded from batches", rl, registry=r)
+        self.events = Counter(p + "synthetic_events", "Rows the collector added (publisher restart clears)",
+                              ["replica", "kind"], registry=r)
+        self.received_bytes = Counter(p + "received_payload_bytes", "Payload bytes accepted", registry=r)
+        self.decode_errors = Counter(p + "decode_errors", "Frames, batches or events skipped", ["reason"],
+                                     registry=r)
+        self.duplicates = Counter(p + "duplicate_batches", "Batches dropped as already written", rl,
+                                  registry=r)
+        self.gaps = Counter(p + "sequence_gaps", "Sequence gaps detected", rl, registry=r)
+        self.replay_requests = Counter(p + "replay_requests", "Replay requests sent", rl, registry=r)
+        self.replayed = Counter(p + "replayed_batches", "Batches accepted from replay replies", rl,
+                                registry=r)
+        self.lost_batches = Counter(p + "unrecoverable_gap_batches", "Batches the replay could not fill", rl,
+                                    registry=r)
+        self.restarts = Counter(p + "publisher_restarts", "Publisher restarts (sequence reset)", rl,
+                                registry=r)
+        self.segments = Counter(p + "segments_committed", "kv_events segments committed", registry=r)
+        self.written_bytes = Counter(p + "written_bytes", "Bytes of committed kv_events segments", registry=r)
+        self.lag = Gauge(p + "ingest_lag_seconds", "Processing time minus the engine's batch time",
+                         registry=r)
+        self.queue_batches = Gauge(p + "queue_batches", "Batches waiting between reader and writer",
+                                   registry=r)
+        self.queue_bytes = Gauge(p + "queue_bytes", "Bytes waiting between reader and writer", registry=r)
+
+    def value(self, name: str, **labels: str) -> float:
+        """A sample's current value (tests, logs); 0 when it was never set."""
+        v = self.registry.get_sample_value(name, labels or None)
+        return 0.0 if v is None else v
+
+
+class _CountingWriter(SegmentWriter):
+    """A SegmentWriter that adds up the bytes of the segments it commits."""
+
+    written_bytes = 0
+
+    def _write_segment(self, date: str, part: Any) -> None:
+        super()._write_segment(date, part)
+        name = f"{self.writer_id}-{self._last_n:020d}.parquet"
+        self.written_bytes += (self._target / f"date={date}" / name).stat().st_size
+
+
+@dataclass
+class _Pub:
+    key: str
+    replica: str
+    source: int
+    model: str | None = None
+    last_seq: int = -1
+    last_ts_ns: int = 0
+    fresh: bool = True  # first contact in this run and no checkpoint: earlier batches are not "lost"
+
+
+class _ByteQueue:
+    """A FIFO bounded in items and bytes; ``put`` blocks (back-pressure) until there is room."""
+
+    def __init__(self, max_items: int, max_bytes: int) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self.items = self.bytes = self.peak_bytes = self.peak_items = 0
+
+    def put(self, item: Any, nbytes: int, stop: threading.Event) -> bool:
+        with self._cond:
+            while self.items and (self.items >= self.max_items or self.bytes + nbytes > self.max_bytes):
+                if stop.is_set():
+                    return False
+                self._cond.wait(0.1)
+            self.items += 1
+            self.bytes += nbytes
+            self.peak_items = max(self.peak_items, self.items)
+            self.peak_bytes = max(self.peak_bytes, self.bytes)
+        self._q.put((item, nbytes))
+        return True
+
+    def get(self, timeout: float) -> Any:
+        try:
+            item, nbytes = self._q.get(timeout=timeout)
+        except queue.Empty:
+            return None
+        with self._cond:
+            self.items -= 1
+            self.bytes -= nbytes
+            self._cond.notify()
+        return item
+
+
+class LiveCollector:
+    """Follows the sources and appends ``kv_events`` to the lake until ``stop()`` or a duration."""
+
+    def __init__(self, options: CollectorOptions, *, context: zmq.Context[Any] | None = None,
+                 metrics: CollectorMetrics | None = None, clock_ns: Callable[[], int] = time.time_ns) -> None:
+        if not options.sources:
+            raise ValueError("no sources: give an endpoint or a kvlens.toml with [[fleet.replicas]]")
+        self.opt = options
+        self.ctx = context or zmq.Context.instance()
+        self.metrics = metrics or CollectorMetrics()
+        self.clock_ns = clock_ns
+        self.writer_id = options.writer_id or writer_id_for(options.sources)
+        self.decoder = EventDecoder(keep_tokens=options.keep_tokens,
+                                    max_payload_bytes=options.max_payload_bytes)
+        self.cols = KvColumns(options.keep_tokens)
+        self.queue = _ByteQueue(options.queue_batches, options.queue_bytes)
+        self.pubs: dict[str, _Pub] = {}
+        self.gap_rows: list[dict[str, Any]] = []
+        self.bound: list[str] = []
+        self.ready = threading.Event()
+        self._stop = threading.Event()
+        self._dirty = False
+        self._record: IO[bytes] | None = None
+        self._reader_error: BaseException | None = None
+        self._bytes_seen = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self, duration_s: float | None = None) -> None:
+        """Collect until ``stop()`` or ``duration_s``; always ends with a committed checkpoint."""
+        deadline = None if duration_s is None else time.monotonic() + duration_s
+        o = self.opt
+        self._resume()
+        reader = threading.Thread(target=self._reader, name="kvlens-zmq-reader", daemon=True)
+        with _CountingWriter(o.lake, "kv_events", scenario=o.scenario, writer_id=self.writer_id,
+                           flush_rows=_NEVER) as kv, \
+                SegmentWriter(o.lake, "metric_samples", scenario=o.scenario,
+                              writer_id=f"{self.writer_id}-gaps", flush_rows=_NEVER) as gaps:
+            assert isinstance(kv, _CountingWriter)
+            self._kv = kv
+            self._gaps = gaps
+            self._record = open(o.record, "ab") if o.record else None  # noqa: SIM115
+            try:
+                reader.start()
+                if not self.ready.wait(10):
+                    raise RuntimeError(f"ZMQ reader did not start: {self._reader_error}")
+                self._replay_checkpointed()
+                self._loop(deadline)
+            finally:
+                self._stop.set()
+                reader.join(5)
+                self._flush(force=True)
+                if self._record:
+                    self._record.close()
+
+    def _loop(self, deadline: float | None) -> None:
+        last_flush = time.monotonic()
+        while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
+            item = self.queue.get(timeout=0.05)
+            if item is not None:
+                self._guarded(item)
+            self.metrics.queue_batches.set(self.queue.items)
+            self.metrics.queue_bytes.set(self.queue.bytes)
+            now = time.monotonic()
+            rows = len(self.cols) + self._kv.buffered_rows
+            if rows >= self.opt.flush_rows or now - last_flush >= self.opt.flush_age_s:
+                self._flush()
+                last_flush = now
+        # drain what the reader already queued, so a clean stop loses nothing it received
+        while (item := self.queue.get(timeout=0)) is not None:
+            self._guarded(item)
+
+    def _guarded(self, item: tuple[int, list[bytes], int]) -> None:
+        try:
+            self._handle(*item)
+        except Exception as e:  # a bug must not stop collection: count it, log it, go on
+            self.metrics.decode_errors.labels(reason="internal").inc()
+            log.exception("internal error on a frame starting %r: %s", item[1][:1], e)
+
+    # -- reader thread ---------------------------------------------------------------------
+
+    def _reader(self) -> None:
+        socks: list[zmq.Socket[Any]] = []
+        try:
+            poller = zmq.Poller()
+            for s in self.opt.sources:
+                sock = self.ctx.socket(zmq.SUB)
+                sock.setsockopt(zmq.RCVHWM, self.opt.rcvhwm)
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SUBSCRIBE, s.topic.encode())
+                if s.bind:
+                    sock.bind(s.endpoint)
+                    self.bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
+                else:
+                    sock.connect(s.endpoint)
+                socks.append(sock)
+                poller.register(sock, zmq.POLLIN)
+        except zmq.ZMQError as e:
+            self._reader_error = e
+            log.error("cannot open the event sockets: %s", e)
+            for sock in socks:
+                sock.close(0)
+            return
+        self.ready.set()
+        index = {sock: i for i, sock in enumerate(socks)}
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(100):
+                    frames = sock.recv_multipart()
+                    nbytes = sum(len(f) for f in frames)
+                    if not self.queue.put((index[sock], frames, self.clock_ns()), nbytes, self._stop):
+                        return
+        finally:
+            for sock in socks:
+                sock.close(0)
+
+    # -- sequence tracking -----------------------------------------------------------------
+
+    def _resume(self) -> None:
+        cp = latest_checkpoint(self.opt.lake, self.writer_id) or {}
+        endpoints = {s.endpoint: i for i, s in enumerate(self.opt.sources)}
+        for key, st in (cp.get("publishers") or {}).items():
+            src = endpoints.get(st.get("endpoint"))
+            if src is None:
+                continue
+            self.pubs[key] = _Pub(key, st["replica"], src, st.get("model"), int(st["seq"]), int(st["ts_ns"]),
+                                  fresh=False)
+        if self.pubs:
+            log.info("resuming %d publishers from checkpoint", len(self.pubs))
+
+    def _replay_checkpointed(self) -> None:
+        for pub in list(self.pubs.values()):
+            if self.opt.sources[pub.source].replay:
+                self._replay(pub, pub.last_seq + 1, reason="resume")
+
+    def _identify(self, src: int, topic: bytes) -> tuple[str, str, str | None]:
+        s = self.opt.sources[src]
+        name, model = topic_replica(topic)
+        replica = s.name or name or topic.decode("utf-8", "replace") or re.sub(r"^\w+://", "", s.endpoint)
+        return f"{replica}|{topic.decode('utf-8', 'replace')}", replica, s.model or model
+
+    def _handle(self, src: int, frames: list[bytes], recv_ns: int) -> None:
+        if self._record:
+            self._record.write(capture_line(frames))
+        try:
+            topic, seq, payload = split_frames(frames)
+        except DecodeError as e:
+            self._bad(e, frames[-1] if frames else b"")
+            return
+        key, replica, model = self._identify(src, topic)
+        pub = self.pubs.get(key)
+        if pub is None:
+            pub = self.pubs[key] = _Pub(key, replica, src, model)
+        if seq <= pub.last_seq and not self._restarted(pub, seq, payload, recv_ns):
+            self.metrics.duplicates.labels(replica=replica).inc()
+            return
+        if seq > pub.last_seq + 1:
+            self._gap(pub, seq)
+            if seq <= pub.last_seq:  # the replay already delivered it
+                self.metrics.duplicates.labels(replica=replica).inc()
+                return
+        self._accept(pub, seq, payload, recv_ns)
+
+    def _restarted(self, pub: _Pub, seq: int, payload: bytes, recv_ns: int) -> bool:
+        """A lower seq with a newer engine time than the last batch is a new publisher process."""
+        try:
+            ts_ns = self.decoder.read_batch(payload)[0]
+        except DecodeError:
+            return seq == 0  # unreadable: only a reset to 0 is taken as a restart
+        if ts_ns <= pub.last_ts_ns:
+            return False
+        log.warning("publisher %s restarted (seq %d after %d): recording a clear", pub.key, seq, pub.last_seq)
+        self.metrics.restarts.labels(replica=pub.replica).inc()
+        self._cleared_row(pub, seq, ts_ns, recv_ns)
+        pub.last_seq, pub.fresh = -1, False
+        return True
+
+    def _cleared_row(self, pub: _Pub, seq: int, ts_ns: int, recv_ns: int) -> None:
+        self.cols.add(ts_ns=ts_ns, recv_ns=recv_ns, replica=pub.replica, seq=seq,
+                      kind=EventKind.CLEARED.value,
+                      namespace=pub.model)
+        self.metrics.events.labels(replica=pub.replica, kind=EventKind.CLEARED.value).inc()
+
+    def _gap(self, pub: _Pub, seq: int) -> None:
+        start = pub.last_seq + 1
+        if not pub.fresh:
+            self.metrics.gaps.labels(replica=pub.replica).inc()
+        if self.opt.sources[pub.source].replay:
+            self._replay(pub, start, reason="gap", upto=seq - 1)
+        if pub.last_seq < seq - 1:
+            self._lost(pub, pub.last_seq + 1, seq - 1)
+            pub.last_seq = seq - 1
+
+    def _lost(self, pub: _Pub, first: int, last: int) -> None:
+        n = last - first + 1
+        if n <= 0:
+            return
+        if pub.fresh:  # before this collector's time: nothing of ours is missing
+            return
+        log.warning("publisher %s: batches %d..%d are lost (%d); the replay no longer holds them",
+                    pub.key, first, last, n)
+        self.metrics.lost_batches.labels(replica=pub.replica).inc(n)
+        self.gap_rows.append({"ts_ns": self.clock_ns(), "replica": pub.replica, "name": GAP_METRIC,
+                              "labels": [("publisher", pub.key), ("from_seq", str(first)),
+                                         ("to_seq", str(last))], "value": float(n)})
+        self._dirty = True
+
+    def _accept(self, pub: _Pub, seq: int, payload: bytes, recv_ns: int) -> None:
+        pub.last_seq, pub.fresh, self._dirty = seq, False, True
+        m = self.metrics
+        m.batches.labels(replica=pub.replica).inc()
+        m.received_bytes.inc(len(payload))
+        try:
+            info = self.decoder.decode(payload, self.cols, replica=pub.replica, seq=seq, recv_ns=recv_ns,
+                                       namespace=pub.model)
+        except DecodeError as e:
+            self._bad(e, payload)
+            return
+        pub.last_ts_ns = max(pub.last_ts_ns, info.ts_ns)
+        m.lag.set(max(0.0, (self.clock_ns() - info.ts_ns) / 1e9))
+        if info.rows:
+            m.block_events.labels(replica=pub.replica).inc(info.rows)
+        for reason in info.bad_events:
+            m.decode_errors.labels(reason=reason).inc()
+        if info.bad_events:
+            log.warning("%s seq %d: skipped %d bad events (%s)", pub.key, seq, len(info.bad_events),
+                        ", ".join(sorted(set(info.bad_events))))
+        if len(self.cols) >= _ARROW_CHUNK_ROWS:
+            self._kv.append_arrow(self.cols.take_arrow())
+
+    def _bad(self, err: DecodeError, data: bytes) -> None:
+        self.metrics.decode_errors.labels(reason=err.reason).inc()
+        log.warning("skipped a malformed frame (%s): %s; starts %r", err.reason, err, bytes(data[:32]))
+
+    # -- replay ----------------------------------------------------------------------------
+
+    def _replay(self, pub: _Pub, start: int, *, reason: str, upto: int | None = None) -> None:
+        """Ask the publisher's ROUTER for ``start``..; rounds repeat after a hole mid-stream."""
+        endpoint = self.opt.sources[pub.source].replay
+        assert endpoint
+        for _ in range(self.opt.replay_rounds):
+            self.metrics.replay_requests.labels(replica=pub.replica).inc()
+            before = pub.last_seq
+            complete = self._replay_round(pub, endpoint, pub.last_seq + 1)
+            if complete or pub.last_seq == before or (upto is not None and pub.last_seq >= upto):
+                break
+        log.info("replay (%s) for %s from %d: now at %d", reason, pub.key, start, pub.last_seq)
+
+    def _replay_round(self, pub: _Pub, endpoint: str, start: int) -> bool:
+        """One request; True when it ended cleanly (no hole after the first reply)."""
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart([b"", start.to_bytes(8, "big")])
+            first = True
+            timeout_ms = int(self.opt.replay_timeout_s * 1000)
+            while sock.poll(timeout_ms):
+                frames = sock.recv_multipart()
+                parsed = _replay_reply(frames)
+                if parsed is None:
+                    return True
+                seq, payload = parsed
+                if self._record:
+                    self._record.write(capture_line([b"", seq.to_bytes(8, "big"), payload]))
+                if seq <= pub.last_seq:
+                    continue
+                if seq > pub.last_seq + 1:
+                    if not first:
+                        return False  # dropped on the way (HWM): ask again from last+1
+                    self._lost(pub, pub.last_seq + 1, seq - 1)
+                first = False
+                self.metrics.replayed.labels(replica=pub.replica).inc()
+                self._accept(pub, seq, payload, self.clock_ns())
+            log.warning("replay from %s timed out after %.1f s", endpoint, self.opt.replay_timeout_s)
+            return True
+        except zmq.ZMQError as e:
+            log.warning("replay from %s failed: %s", endpoint, e)
+            return True
+        finally:
+            sock.close(0)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def checkpoint(self) -> dict[str, Any]:
+        return {"publishers": {
+            k: {"seq": p.last_seq, "ts_ns": p.last_ts_ns, "replica": p.replica, "model": p.model,
+                "endpoint": self.opt.sources[p.source].endpoint}
+            for k, p in self.pubs.items() if p.last_seq >= 0}}
+
+    def _flush(self, force: bool = False) -> None:
+        if not self._dirty and not len(self.cols) and not force:
+            return
+        if self.gap_rows:
+            self._gaps.append_rows(self.gap_rows)
+            self.gap_rows = []
+            # before the kv checkpoint: a crash in between may repeat a gap row, never lose one
+            self._gaps.flush()
+        if len(self.cols):
+            self._kv.append_arrow(self.cols.take_arrow())
+        if self._dirty or self._kv.buffered_rows:
+            before = self._kv.segments_written
+            self._kv.flush(self.checkpoint())
+            self.metrics.segments.inc(self._kv.segments_written - before)
+            self.metrics.written_bytes.inc(self._kv.written_bytes - self._bytes_seen)
+            self._bytes_seen = self._kv.written_bytes
+        self._dirty = False
+
+
+def _replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:
+    """(seq, payload) of a replay reply, or None at the end marker (or an unreadable reply)."""
+    if frames and frames[0] == b"":
+        frames = frames[1:]  # the envelope delimiter a DEALER sees
+    if len(frames) == 3:
+        frames = frames[1:]  # [topic, seq, payload] (vLLM >= 0.28, SGLang)
+    if len(frames) != 2 or len(frames[0]) != 8:
+        return None
+    seq, payload = frames
+    if seq == END_SEQ or not payload:
+        return None
+    return int.from_bytes(seq, "big"), payload
+
+
+def build_sources(*, endpoint: str | None, replay: str | None, topic: str, replica: str | None,
+                  model: str | None, bind: bool, config: str | None) -> list[Source]:
+    """Sources from the CLI flags, or from ``kvlens.toml``'s fleet when no endpoint is given."""
+    from kvlens.config import load_config
+    from kvlens.errors import ConfigError
+
+    if endpoint:
+        return [Source(endpoint, replay, replica, topic, model, bind)]
+    if not config:
+        raise ConfigError("no endpoint: give --endpoint tcp://HOST:PORT or --config kvlens.toml")
+    fleet = load_config(config).replicas
+    if not fleet:
+        raise ConfigError(f"{config} lists no [[fleet.replicas]]: add one with an endpoint")
+    return [Source(r.endpoint, r.replay_endpoint, r.name, r.topic or topic, r.model or model, r.bind)
+            for r in fleet]

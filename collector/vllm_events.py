@@ -1,0 +1,461 @@
+"""Collector decoder for engine KV-cache events: ZMQ frames -> ``kv_events`` rows (as columns).
+
+Reads what vLLM (every release since 0.9) and SGLang publish (FORMATS.md sections 1-2, 6):
+
+- multipart ``[topic, seq (8 bytes big-endian), payload]``;
+- payload a msgpack array ``[ts, events, dp_rank, ...]``: a 2-element batch (vLLM 0.9) and
+  trailing elements (``publisher_id`` in newer vLLM) are accepted; ``ts`` is float seconds,
+  or int milliseconds (Mooncake Store) when it is too large to be seconds;
+- events as maps with ``"type"`` (vLLM >= 0.24, SGLang) or tagged positional arrays
+  (vLLM <= 0.23, of any of their lengths): ``BlockStored``, ``BlockRemoved``, ``AllBlocksCleared``;
+- block hashes normalised to unsigned 64-bit: ints masked (SGLang sends signed int64), byte
+  digests reduced to their last 8 bytes big-endian;
+- both engines' media mapped to the schema's tiers.
+
+A ``BlockStored`` gets ``position`` and ``content_hash`` (kvlens's token-content chain, see
+collector.hashing) when its parent chain is known: from the root, or from a parent seen
+earlier (a bounded, two-generation map). Token ids are dropped unless ``keep_tokens``.
+A bad batch raises ``DecodeError``; a bad event is counted, skipped, and the rest kept.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+import re
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pyarrow as pa
+
+from collector.hashing import content_hashes
+from kvlens.errors import InputError
+from kvlens.schema import KV_EVENTS, EventKind, Medium, arrow_schema
+
+__all__ = [
+    "KV_COLUMNS",
+    "MEDIA",
+    "DecodeError",
+    "EventDecoder",
+    "KvColumns",
+    "import_capture",
+    "medium_of",
+    "normalise_hash",
+    "read_capture",
+    "split_frames",
+]
+
+log = logging.getLogger(__name__)
+
+_U64 = (1 << 64) - 1
+END_SEQ = b"\xff" * 8
+DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**20
+
+KV_COLUMNS = (
+    "ts_ns", "recv_ns", "replica", "dp_rank", "seq", "kind", "block_hash", "parent_hash", "position",
+    "block_tokens", "medium", "group_idx", "spec_kind", "lora_name", "extra_key", "content_hash",
+    "namespace", "session_id", "locality",
+)
+
+# vLLM GPU/CPU/STORAGE; SGLang GPU/CPU_PINNED/DISK/EXTERNAL; Mooncake CPU/Disk; LMCache CPU.
+MEDIA: dict[str, Medium] = {
+    "GPU": Medium.GPU, "CUDA": Medium.GPU, "HBM": Medium.GPU,
+    "CPU": Medium.CPU, "CPU_PINNED": Medium.CPU, "DRAM": Medium.CPU,
+    "STORAGE": Medium.DISK, "DISK": Medium.DISK, "SSD": Medium.DISK,
+    "EXTERNAL": Medium.POOL, "POOL": Medium.POOL, "REMOTE": Medium.POOL,
+}
+
+# Positional field order (vLLM <= 0.23, older SGLang); shorter arrays stop early.
+_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                  "kv_cache_spec_sliding_window")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_TS_MS_ABOVE = 1e11  # seconds since 1970 stay below this until the year 5138
+
+
+class DecodeError(ValueError):
+    """A frame or batch that cannot be read; ``reason`` is a short metric label."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class _BadEvent(ValueError):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def split_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
+    """(topic, seq, payload) of a live message ``[topic, seq, payload]``."""
+    if len(frames) != 3:
+        raise DecodeError("frames", f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    topic, seq, payload = frames
+    if len(seq) != 8:
+        raise DecodeError("seq", f"sequence frame has {len(seq)} bytes, expected 8")
+    return bytes(topic), int.from_bytes(seq, "big"), payload
+
+
+def normalise_hash(value: Any) -> int:
+    """An engine block hash as unsigned 64-bit (FORMATS.md section 6, item 4)."""
+    if type(value) is int:
+        return value & _U64
+    if isinstance(value, bytes | bytearray | memoryview) and len(value) > 0:
+        return int.from_bytes(bytes(value)[-8:], "big")
+    raise _BadEvent("hash_type")
+
+
+_MEDIUM_SEEN: dict[str, str] = {}  # engine spelling -> tier, bounded
+
+
+def medium_of(value: Any) -> str:
+    """The schema tier of an engine's medium string; None (older engines: the GPU pool) is gpu."""
+    if value is None:
+        return Medium.GPU.value
+    if type(value) is not str:
+        raise _BadEvent("medium_type")
+    tier = _MEDIUM_SEEN.get(value)
+    if tier is None:
+        tier = MEDIA.get(value.upper(), Medium.UNKNOWN).value
+        if len(_MEDIUM_SEEN) < 1000:
+            _MEDIUM_SEEN[value] = tier
+    return tier
+
+
+class KvColumns:
+    """``kv_events`` rows accumulated as tuples in KV_COLUMNS order (+ token_ids); ``take``
+    turns them into columns (a transposition in C: the per-row cost stays one tuple)."""
+
+    def __init__(self, keep_tokens: bool = False) -> None:
+        self.keep_tokens = keep_tokens
+        self.names = KV_COLUMNS + (("token_ids",) if keep_tokens else ())
+        self.rows: list[tuple[Any, ...]] = []
+        self._type: pa.StructType | None = None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, **values: Any) -> None:
+        """One row from column values (the rest NULL); for rows the decoder does not make."""
+        self.rows.append(tuple(values.get(k) for k in self.names))
+
+    def take_arrow(self) -> pa.Table:
+        """The rows as an Arrow table (one conversion in C), and an empty buffer."""
+        rows, self.rows = self.rows, []
+        return pa.Table.from_struct_array(pa.array(rows, type=self._struct()))
+
+    def _struct(self) -> pa.StructType:
+        if self._type is None:
+            schema = arrow_schema(KV_EVENTS)
+            self._type = pa.struct([schema.field(n) for n in self.names])
+        return self._type
+
+    def take(self) -> dict[str, list[Any]]:
+        rows, self.rows = self.rows, []
+        if not rows:
+            return {k: [] for k in self.names}
+        return {k: list(col) for k, col in zip(self.names, zip(*rows, strict=True), strict=True)}
+
+
+class _ChainMap:
+    """engine hash -> (position, content hash); two generations bound the memory."""
+
+    def __init__(self, capacity: int) -> None:
+        self.half = max(1, capacity // 2)
+        self.young: dict[int, tuple[int, int | None]] = {}
+        self.old: dict[int, tuple[int, int | None]] = {}
+
+    def get(self, h: int) -> tuple[int, int | None] | None:
+        return self.young.get(h) or self.old.get(h)
+
+    def put_many(self, hashes: Sequence[int], first_pos: int, contents: Sequence[int | None]) -> None:
+        young = self.young
+        young.update(zip(hashes, zip(range(first_pos, first_pos + len(hashes)), contents, strict=True),
+                         strict=True))
+        if len(young) >= self.half:
+            self.old, self.young = young, {}
+
+
+@dataclass
+class BatchInfo:
+    ts_ns: int
+    dp_rank: int | None
+    rows: int
+    bad_events: list[str]
+
+
+_STORED = EventKind.STORED.value
+_REMOVED = EventKind.REMOVED.value
+_CLEARED = EventKind.CLEARED.value
+
+
+# The events as typed structs: msgspec validates every field in C, and unknown keys (newer
+# engines) are ignored. Missing keys are None, as FORMATS.md section 6 asks.
+class _Event(msgspec.Struct, tag_field="type", forbid_unknown_fields=False, gc=False):
+    pass
+
+
+class _Stored(_Event, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None = None
+    token_ids: list[int] | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[Any] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    session_id: str | None = None
+    locality: str | None = None
+    cache_salt: str | None = None  # SGLang
+
+
+class _Removed(_Event, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+class _Cleared(_Event, tag="AllBlocksCleared"):
+    pass
+
+
+_AnyEvent = _Stored | _Removed | _Cleared
+
+
+class _Batch(msgspec.Struct, array_like=True, forbid_unknown_fields=False, gc=False):
+    ts: float
+    events: list[_AnyEvent]
+    dp_rank: int | None = None
+
+
+class EventDecoder:
+    """Decodes payloads into a KvColumns; keeps the chain map across batches.
+
+    Fast path: the whole batch decoded into typed structs at once (map events). Any batch
+    that does not fit (positional events, one bad event) is decoded untyped and its events
+    converted one by one, so one bad event costs only itself.
+    """
+
+    def __init__(self, *, keep_tokens: bool = False, chain_capacity: int = 1_000_000,
+                 max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES) -> None:
+        self.keep_tokens = keep_tokens
+        self.max_payload_bytes = max_payload_bytes
+        self._chains = _ChainMap(chain_capacity)
+        self._decode = msgspec.msgpack.Decoder().decode
+        self._typed = msgspec.msgpack.Decoder(_Batch).decode
+
+    def read_batch(self, payload: bytes) -> tuple[int, list[Any], int | None]:
+        """(ts_ns, events, dp_rank) of one payload, or DecodeError; events typed when they all fit."""
+        if len(payload) > self.max_payload_bytes:
+            raise DecodeError("oversize", f"payload of {len(payload):,} bytes exceeds the limit of "
+                                          f"{self.max_payload_bytes:,}")
+        try:
+            b = self._typed(payload)
+            return _ts_ns(b.ts), b.events, b.dp_rank
+        except msgspec.ValidationError:
+            pass
+        except msgspec.DecodeError as e:
+            raise DecodeError("msgpack", f"not msgpack: {e}") from None
+        try:
+            batch = self._decode(payload)
+        except msgspec.DecodeError as e:
+            raise DecodeError("msgpack", f"not msgpack: {e}") from None
+        if not isinstance(batch, list) or len(batch) < 2:
+            raise DecodeError("batch_shape", "batch is not an array [ts, events, ...]")
+        ts, events = batch[0], batch[1]
+        dp_rank = batch[2] if len(batch) > 2 else None
+        if isinstance(ts, bool) or not isinstance(ts, int | float) or not isinstance(events, list):
+            raise DecodeError("batch_types", "batch [ts, events] has wrong types")
+        if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):
+            raise DecodeError("batch_types", f"dp_rank is {type(dp_rank).__name__}, expected int")
+        return _ts_ns(ts), events, dp_rank
+
+    def decode(self, payload: bytes, out: KvColumns, *, replica: str, seq: int, recv_ns: int,
+               namespace: str | None = None) -> BatchInfo:
+        """Append the payload's rows to ``out``; raises DecodeError for an unreadable batch."""
+        ts_ns, events, dp_rank = self.read_batch(payload)
+        info = BatchInfo(ts_ns, dp_rank, 0, [])
+        head = (ts_ns, recv_ns, replica, dp_rank, seq)
+        stored, removed = self._stored, self._removed
+        for ev in events:
+            try:
+                if not isinstance(ev, _Event):
+                    ev = _typed_event(ev)
+                if type(ev) is _Removed:
+                    info.rows += removed(ev, out, head, namespace)
+                elif type(ev) is _Stored:
+                    info.rows += stored(ev, out, head, namespace)
+                else:
+                    row = (*head, _CLEARED, *(None,) * 10, namespace, None, None)
+                    out.rows.append((*row, None) if out.keep_tokens else row)
+                    info.rows += 1
+            except _BadEvent as e:
+                info.bad_events.append(e.reason)
+        return info
+
+    def _stored(self, ev: _Stored, out: KvColumns, head: tuple[Any, ...], ns: str | None) -> int:
+        hashes = [h & _U64 if type(h) is int else normalise_hash(h) for h in ev.block_hashes]
+        n = len(hashes)
+        if n == 0:
+            return 0
+        parent = None if ev.parent_block_hash is None else normalise_hash(ev.parent_block_hash)
+        tokens, block_size = ev.token_ids, ev.block_size or None
+        lora = ev.lora_name if ev.lora_name is not None or ev.lora_id is None else str(ev.lora_id)
+        aligned = tokens is not None and block_size is not None and len(tokens) == n * block_size
+        positions, contents = self._chain(hashes, parent, tokens if aligned else None, block_size or 0)
+        extras = _extra_keys(ev.extra_keys, n, ev.cache_salt)
+        mid = (block_size, medium_of(ev.medium), ev.group_idx, ev.kv_cache_spec_kind, lora)
+        tail = (ns, ev.session_id, ev.locality)
+        parents = [parent, *hashes[:-1]]
+        rows = [(*head, _STORED, h, p, pos, *mid, e, c, *tail)
+                for h, p, pos, e, c in zip(hashes, parents, positions, extras, contents, strict=True)]
+        if out.keep_tokens:
+            bs = block_size or 0
+            rows = [(*r, tokens[i * bs:(i + 1) * bs] if tokens is not None and aligned else None)
+                    for i, r in enumerate(rows)]
+        out.rows.extend(rows)
+        return n
+
+    def _chain(self, hashes: list[int], parent: int | None, tokens: list[int] | None,
+               block_size: int) -> tuple[Sequence[int | None], Sequence[int | None]]:
+        n = len(hashes)
+        parent_content: int | None = 0
+        first = 0
+        if parent is not None:
+            known = self._chains.get(parent)
+            if known is None:
+                return (None,) * n, (None,) * n
+            first, parent_content = known[0] + 1, known[1]
+        contents: Sequence[int | None] = (None,) * n
+        if tokens is not None and parent_content is not None:
+            contents = content_hashes(tokens, block_size, parent_content) or contents
+        self._chains.put_many(hashes, first, contents)
+        return range(first, first + n), contents
+
+    def _removed(self, ev: _Removed, out: KvColumns, head: tuple[Any, ...], ns: str | None) -> int:
+        medium = medium_of(ev.medium)
+        get = self._chains.get
+        keep = out.keep_tokens
+        hashes = [h & _U64 if type(h) is int else normalise_hash(h) for h in ev.block_hashes]
+        for h in hashes:
+            pos, content = get(h) or (None, None)
+            row = (*head, _REMOVED, h, None, pos, None, medium, ev.group_idx, None, None, None, content, ns,
+                   None, ev.locality)
+            out.rows.append((*row, None) if keep else row)
+        return len(hashes)
+
+
+def _ts_ns(ts: float) -> int:
+    return int(ts * 1_000_000) if ts > _TS_MS_ABOVE else int(ts * 1e9)
+
+
+def _typed_event(ev: Any) -> _Event:
+    """One untyped event (a map, or a vLLM <= 0.23 tagged array) as its struct, or _BadEvent."""
+    if type(ev) is list and ev:
+        tag = ev[0] if type(ev[0]) is str else ""
+        fields = {"BlockStored": _STORED_FIELDS, "BlockRemoved": _REMOVED_FIELDS}.get(tag, ())
+        ev = {"type": ev[0], **dict(zip(fields, ev[1:], strict=False))}
+    if type(ev) is not dict:
+        raise _BadEvent("event_shape")
+    try:
+        return msgspec.convert(ev, _AnyEvent, builtin_types=(bytes,))
+    except msgspec.ValidationError as e:
+        where = str(e).rsplit("`", 2)[-2] if "`$" in str(e) else ""
+        field = re.sub(r"\[[^\]]*\]", "", where.removeprefix("$.")).split(".")[0]  # a bounded label
+        raise _BadEvent("event_type" if where == "$.type" else f"field:{field}") from None
+
+
+def _extra_keys(extra: list[Any] | None, n: int, salt: str | None) -> Sequence[str | None]:
+    """Each block's published extra keys as compact JSON text (SGLang: its cache salt)."""
+    if extra is None or not any(extra):
+        return (salt,) * n
+    return [None if e is None else msgspec.json.encode(e).decode()
+            for e in (extra[:n] + [None] * (n - len(extra)))]
+
+
+# -- captures: the frames file `--record` writes, and `kvlens import vllm-events` reads ----------
+
+def capture_line(frames: Sequence[bytes]) -> bytes:
+    """One capture line: a JSON list of the base64 of each frame (the vllm-cpu-capture format)."""
+    return json.dumps([base64.b64encode(bytes(f)).decode() for f in frames]).encode() + b"\n"
+
+
+def read_capture(path: str | os.PathLike[str]) -> Iterator[tuple[int, list[bytes]]]:
+    """(line number, frames) of each line of a capture file."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                items = json.loads(line)
+                frames = [base64.b64decode(x, validate=True) for x in items]
+            except (ValueError, TypeError) as e:
+                raise InputError(f"not a JSON list of base64 frames ({e})", path=str(path),
+                                 line=lineno) from None
+            yield lineno, frames
+
+
+def topic_replica(topic: bytes) -> tuple[str | None, str | None]:
+    """(replica, model) from an llm-d style topic ``kv@<pod>@<model>``; (None, None) otherwise."""
+    parts = topic.decode("utf-8", "replace").split("@")
+    if len(parts) >= 3 and parts[0] == "kv" and parts[1]:
+        return parts[1], "@".join(parts[2:]) or None
+    return None, None
+
+
+def import_capture(paths: Sequence[str | os.PathLike[str]], lake: str | os.PathLike[str], *,
+                   scenario: str = "default", replica: str | None = None, model: str | None = None,
+                   keep_tokens: bool = False) -> dict[str, int]:
+    """Import recorded frames files into ``kv_events`` of ``scenario`` (replaced whole).
+
+    Batches are taken in file order; a repeated (replica, seq) is dropped; bad frames are
+    counted, logged and skipped. Returns counts.
+    """
+    from kvlens.lake import SegmentWriter
+
+    decoder = EventDecoder(keep_tokens=keep_tokens)
+    cols = KvColumns(keep_tokens)
+    seen: set[tuple[str, int]] = set()
+    counts = {"batches": 0, "rows": 0, "bad_frames": 0, "bad_events": 0, "duplicates": 0}
+    with SegmentWriter(lake, "kv_events", scenario=scenario, writer_id="import-vllm-events",
+                       replace=True) as w:
+        for path in paths:
+            if not Path(path).is_file():
+                raise InputError("no such file: check the path", path=str(path))
+            for lineno, frames in read_capture(path):
+                try:
+                    topic, seq, payload = split_frames(frames)
+                    name, topic_model = topic_replica(topic)
+                    rep = replica or name or topic.decode("utf-8", "replace") or Path(path).stem
+                    if (rep, seq) in seen:
+                        counts["duplicates"] += 1
+                        continue
+                    info = decoder.decode(payload, cols, replica=rep, seq=seq, recv_ns=0,
+                                          namespace=model or topic_model)
+                except DecodeError as e:
+                    counts["bad_frames"] += 1
+                    log.warning("%s:%d: skipped frame: %s", path, lineno, e)
+                    continue
+                seen.add((rep, seq))
+                counts["batches"] += 1
+                counts["rows"] += info.rows
+                counts["bad_events"] += len(info.bad_events)
+                if len(cols) >= 200_000:
+                    w.append_arrow(_recv_as_ts(cols.take_arrow()))
+        if len(cols):
+            w.append_arrow(_recv_as_ts(cols.take_arrow()))
+    return counts
+
+
+def _recv_as_ts(t: pa.Table) -> pa.Table:
+    # a capture has no receive times
+    return t.set_column(t.schema.get_field_index("recv_ns"), "recv_ns", t.column("ts_ns"))

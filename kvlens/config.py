@@ -1,0 +1,84 @@
+"""The spine's configuration: ``kvlens.toml`` (the fleet today; other sections kept as read).
+
+```toml
+[[fleet.replicas]]
+name = "vllm-0"                               # optional: else from an llm-d topic kv@<pod>@<model>
+endpoint = "tcp://10.0.0.5:5557"              # the engine's KV-event PUB endpoint
+replay_endpoint = "tcp://10.0.0.5:5558"       # its ROUTER replay endpoint (optional)
+model = "llama-3.1-8b"                        # optional
+topic = ""                                    # subscription prefix (optional)
+bind = false                                  # true: the collector binds, the engine connects
+metrics_url = "http://10.0.0.5:8000/metrics"  # optional, for scrapers
+```
+
+CLI flags override what the file says.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvlens.errors import ConfigError
+
+__all__ = ["Config", "ReplicaConfig", "load_config"]
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    endpoint: str
+    name: str | None = None
+    replay_endpoint: str | None = None
+    model: str | None = None
+    topic: str = ""
+    bind: bool = False
+    metrics_url: str | None = None
+
+
+@dataclass(frozen=True)
+class Config:
+    replicas: tuple[ReplicaConfig, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+_STR_KEYS = ("name", "replay_endpoint", "model", "topic", "metrics_url")
+
+
+def _replica(entry: Any, where: str) -> ReplicaConfig:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: expected a table with endpoint = \"tcp://HOST:PORT\"")
+    unknown = set(entry) - {"endpoint", "bind", *_STR_KEYS}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}: remove or rename them")
+    endpoint = entry.get("endpoint")
+    if not isinstance(endpoint, str) or "://" not in endpoint:
+        raise ConfigError(f"{where}: endpoint must be a ZMQ address such as tcp://HOST:5557")
+    for key in _STR_KEYS:
+        if key in entry and not isinstance(entry[key], str):
+            raise ConfigError(f"{where}: {key} must be a string")
+    if not isinstance(entry.get("bind", False), bool):
+        raise ConfigError(f"{where}: bind must be true or false")
+    return ReplicaConfig(endpoint=endpoint, bind=entry.get("bind", False), topic=entry.get("topic", ""),
+                         **{k: entry.get(k) for k in ("name", "replay_endpoint", "model", "metrics_url")})
+
+
+def load_config(path: str | Path) -> Config:
+    """Read ``kvlens.toml``; a missing file or a bad entry is a ConfigError naming it."""
+    p = Path(path)
+    try:
+        raw = tomllib.loads(p.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} does not exist: check --config") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{p} is not valid TOML: {e}") from None
+    fleet = raw.get("fleet", {})
+    entries = fleet.get("replicas", []) if isinstance(fleet, dict) else None
+    if not isinstance(entries, list):
+        raise ConfigError(f"{p}: [fleet] must hold [[fleet.replicas]] tables")
+    replicas = tuple(_replica(e, f"{p} fleet.replicas[{i}]") for i, e in enumerate(entries))
+    names = [r.name for r in replicas if r.name]
+    if len(names) != len(set(names)):
+        raise ConfigError(f"{p}: replica names repeat: {sorted(names)}; give each its own name")
+    return Config(replicas=replicas, raw=raw)
