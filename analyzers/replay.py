@@ -38,12 +38,12 @@ _key_t = types.UniTuple(types.int64, 2)
 
 
 @njit(cache=True)
-def _resident(res, h, loc, tier):  # type: ignore[no-untyped-def]
+def _resident(res, h, loc, tier):
     return (h, np.int64(loc * 2 + tier)) in res
 
 
 @njit(cache=True)
-def _clear(res, loc, tier, ts, removed_ts, remover):  # type: ignore[no-untyped-def]
+def _clear(res, loc, tier, ts, removed_ts, remover):
     gone = []
     for key in res:
         slot = key[1]
@@ -57,7 +57,7 @@ def _clear(res, loc, tier, ts, removed_ts, remover):  # type: ignore[no-untyped-
 
 @njit(cache=True)
 def _apply(ev_kind, ev_loc, ev_tier, ev_h, ev_c, ev_ns, ev_ts, k, res, first_store, removed_ts, remover,
-           c_first_ns, c_other_ns):  # type: ignore[no-untyped-def]
+           c_first_ns, c_other_ns):
     kind, loc, tier = ev_kind[k], ev_loc[k], ev_tier[k]
     if kind == _CLEARED:
         _clear(res, loc, tier, ev_ts[k], removed_ts, remover)
@@ -84,7 +84,7 @@ def _apply(ev_kind, ev_loc, ev_tier, ev_h, ev_c, ev_ns, ev_ts, k, res, first_sto
 @njit(cache=True)
 def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_h, ev_c, ev_ns,
                 req_t, req_loc, req_tail, req_off,
-                blk_h, blk_c, blk_ns, blk_xfer, n_locs):  # type: ignore[no-untyped-def]
+                blk_h, blk_c, blk_ns, blk_xfer, n_locs):
     """Outcome code per needed block, plus holder, removed_ns, remover and other namespace.
 
     ``req_off`` has one more entry than requests: request i needs blocks
@@ -142,7 +142,7 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_h, ev_c, ev_ns,
 
 @njit(cache=True)
 def _miss_cause(h, c, ns, r, n_locs, res, first_store, removed_ts, remover, c_first_ns, c_other_ns,
-                j, holder, rem_ts, rem_loc, other_ns):  # type: ignore[no-untyped-def]
+                j, holder, rem_ts, rem_loc, other_ns):
     for loc in range(n_locs):
         if loc != r and (_resident(res, h, loc, 0) or _resident(res, h, loc, 1)):
             holder[j] = loc

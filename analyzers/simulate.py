@@ -219,7 +219,8 @@ def simulate(*, requests: pl.DataFrame, request_blocks: pl.DataFrame, config: Si
     (without ``scenario``: the writer sets it), sorted by time.
     """
     _check(config)
-    block_tokens = int(request_blocks["block_size_tokens"].max() or 1) if request_blocks.height else 1
+    largest = request_blocks["block_size_tokens"].max() if request_blocks.height else None
+    block_tokens = int(largest) if isinstance(largest, int) and largest > 0 else 1
     cap = None if config.capacity_tokens is None else max(config.capacity_tokens // block_tokens, 1)
     reps = [_Replica(f"replica-{i}", _Lru(cap)) for i in range(config.replicas)]
     pool = _Lru(config.pool_tokens // block_tokens) if config.pool_tokens else None

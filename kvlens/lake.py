@@ -372,7 +372,8 @@ def _view_sql(lake: Path, table: Table) -> str:
             "union_by_name = true, hive_types_autocast = false)")
 
 
-def open_lake(con: duckdb.DuckDBPyConnection, lake: str | Path, *, temp: bool = False) -> list[str]:
+def open_lake(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], *,
+              temp: bool = False) -> list[str]:
     """Register one view per lake table on ``con``; empty tables get empty, typed views.
 
     Views bind the files present now: reopen after new segments to see them.

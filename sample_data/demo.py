@@ -51,12 +51,14 @@ _FLEET = {"replicas": 8, "capacity_tokens": 3_000_000, "max_seqs": 4}
 WHAT_IFS: dict[str, SimConfig] = {
     "rr8": SimConfig(routing=RoutingPolicy.ROUND_ROBIN, **_FLEET),  # type: ignore[arg-type]
     "cache8": SimConfig(routing=RoutingPolicy.CACHE_AWARE, **_FLEET),  # type: ignore[arg-type]
-    "cache8-lf1.5": SimConfig(routing=RoutingPolicy.CACHE_AWARE, load_factor=1.5, **_FLEET),  # type: ignore[arg-type]
+    "cache8-lf1.5": SimConfig(routing=RoutingPolicy.CACHE_AWARE, load_factor=1.5,
+                              **_FLEET),  # type: ignore[arg-type]
 }
 
 LEDGER_SIDE_BY_SIDE_SQL = """
 SELECT l.scenario,
-       sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) / p.prompt AS hit_ratio,
+       sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) / p.prompt
+           AS hit_ratio,
        sum(tokens) FILTER (WHERE outcome = 'miss_routing') / p.prompt AS routing_share,
        sum(tokens) FILTER (WHERE outcome = 'miss_evicted') / p.prompt AS evicted_share,
        sum(tokens) FILTER (WHERE outcome = 'miss_cold') / p.prompt AS cold_share,
