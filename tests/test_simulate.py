@@ -267,6 +267,8 @@ def test_pool_hits_are_remote_with_transfers(lab: Lab) -> None:
     stores = pooled.transfers.filter(pl.col("replica") == "pool")
     assert loads.height > 0 and stores.height > 0
     assert set(loads["origin"]) == {"pool"} and set(loads["status"].cast(pl.Utf8)) == {"ok"}
+    # Unbounded local caches: a block after the local prefix is never local, so each load is a hit.
+    assert loads.height == remote.height
     # Every hit_remote block has its load: status ok, received by the serving replica.
     matched = remote.join(loads.select("request_id", "block_hash", pl.col("replica").alias("receiver")),
                           on=["request_id", "block_hash"], how="left")
