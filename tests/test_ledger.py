@@ -265,9 +265,9 @@ _CONTENTS = [0, 11, 12, 13]  # 0: unknown
 
 
 @st.composite
-def replay_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
+def replay_inputs(draw: st.DrawFn, min_locs: int = 1, max_locs: int = 3) -> tuple[Any, ...]:
     """Random small streams: few locations, tiers, hashes, namespaces and content hashes."""
-    n_locs = draw(st.integers(1, 3))
+    n_locs = draw(st.integers(min_locs, max_locs))
     events = draw(st.lists(st.tuples(
         st.integers(0, 40),  # ts
         st.sampled_from([0, 0, 0, 1, 1, 2]),  # stored, removed, cleared
@@ -299,14 +299,25 @@ def replay_inputs(draw: st.DrawFn) -> tuple[Any, ...]:
             col(blocks, 3, np.int8), n_locs)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(replay_inputs())
-def test_replay_core_equals_oracle(args: tuple[Any, ...]) -> None:
+def _assert_core_equals_oracle(args: tuple[Any, ...]) -> None:
     core = replay_core(*args)
     oracle = replay_py(*args)
     names = ("outcome", "holder", "removed_ts", "remover", "other_namespace")
     for name, got, want in zip(names, core, oracle, strict=True):
         assert np.asarray(got).tolist() == list(want), name
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replay_inputs())
+def test_replay_core_equals_oracle(args: tuple[Any, ...]) -> None:
+    _assert_core_equals_oracle(args)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replay_inputs(min_locs=32, max_locs=70))
+def test_replay_core_equals_oracle_past_one_bit_word(args: tuple[Any, ...]) -> None:
+    # Residency words hold 31 locations each: fleets larger than that span several words.
+    _assert_core_equals_oracle(args)
 
 
 def test_replay_core_equals_oracle_on_hand_case() -> None:
