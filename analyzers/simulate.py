@@ -161,10 +161,11 @@ def _route(cfg: SimConfig, reps: list[_Replica], i: int, req: dict[str, Any], fu
         return i % n
     if policy == RoutingPolicy.RANDOM:
         return int(rng.integers(n))
-    if policy == RoutingPolicy.SESSION_AFFINITY:
-        key = req.get("session_id") or (str(full[0]) if full else req["request_id"])
-        return zlib.crc32(str(key).encode()) % n
-    if policy == RoutingPolicy.PREFIX_HASH:
+    if policy == RoutingPolicy.SESSION_AFFINITY and req.get("session_id"):
+        return zlib.crc32(str(req["session_id"]).encode()) % n
+    if policy in (RoutingPolicy.SESSION_AFFINITY, RoutingPolicy.PREFIX_HASH):
+        # Without a session id a conversation is known by its first blocks (one shared system
+        # prompt block alone would send every request to one replica).
         head = full[: cfg.prefix_blocks] or [zlib.crc32(req["request_id"].encode())]
         return zlib.crc32(np.array(head, dtype=np.uint64).tobytes()) % n
     loads = [r.load(now) for r in reps]

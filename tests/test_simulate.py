@@ -296,17 +296,14 @@ def test_every_policy_routes_every_request(lab: Lab, policy: RoutingPolicy) -> N
     assert set(reqs["request_id"]) == set(lab.sub_requests["request_id"])
     assert set(reqs["replica"]) <= {f"replica-{i}" for i in range(4)}
     assert reqs["replica"].null_count() == 0
-    if policy != RoutingPolicy.SESSION_AFFINITY:
-        # Without session ids, session_affinity keys on the first block, which every request of
-        # this trace shares (a common system prompt): it sends them all to one replica (reported).
-        assert reqs["replica"].n_unique() > 1
-    first = lab.sub_blocks.filter(pl.col("position") == 0).select("request_id", first_block="block_hash")
+    # Every request of this trace shares its first block (a common system prompt): no policy may
+    # follow it to a single replica.
+    assert reqs["replica"].n_unique() > 1
     heads = lab.sub_blocks.filter(pl.col("position") < 4).sort("position").group_by("request_id").agg(
         head=pl.col("block_hash"))
-    routed = reqs.join(first, on="request_id").join(heads, on="request_id")
-    if policy == RoutingPolicy.SESSION_AFFINITY:  # no session ids in this trace: keyed by first block
-        assert (routed.group_by("first_block").agg(pl.col("replica").n_unique())["replica"] == 1).all()
-    if policy == RoutingPolicy.PREFIX_HASH:
+    routed = reqs.join(heads, on="request_id")
+    # No session ids in this trace: session_affinity knows a conversation by its first 4 blocks.
+    if policy in (RoutingPolicy.SESSION_AFFINITY, RoutingPolicy.PREFIX_HASH):
         assert (routed.group_by("head").agg(pl.col("replica").n_unique())["replica"] == 1).all()
     if policy == RoutingPolicy.ROUND_ROBIN:
         ordered = reqs.sort("arrival_ns", "request_id")["replica"].to_list()
@@ -345,3 +342,24 @@ def test_simulate_cli_errors(lab: Lab) -> None:
                 "--routing", "bogus")
     assert bogus.exit_code == 2
     assert not (lab.lake / "requests" / "scenario=x").exists()
+
+
+def test_session_affinity_follows_the_session_id_over_the_blocks() -> None:
+    # Six sessions, two requests each, every request with blocks of its own: a session's two
+    # requests meet on one replica although they share no block.
+    sessions = [f"s{i // 2}" for i in range(12)]
+    requests = pl.DataFrame({
+        "request_id": [f"r{i:02d}" for i in range(12)], "arrival_ns": list(range(12)),
+        "session_id": sessions, "prompt_tokens": [32] * 12, "output_tokens": [1] * 12,
+        "model": [None] * 12, "tenant": [None] * 12}, schema_overrides={"model": pl.Utf8, "tenant": pl.Utf8})
+    blocks = pl.DataFrame({
+        "request_id": [f"r{i:02d}" for i in range(12) for _ in range(2)],
+        "position": [p for _ in range(12) for p in range(2)],
+        "block_hash": list(range(100, 124)), "content_hash": list(range(100, 124)),
+        "block_tokens": [16] * 24, "block_size_tokens": [16] * 24, "namespace": ["m"] * 24},
+        schema_overrides={"block_hash": pl.UInt64, "content_hash": pl.UInt64})
+    sim = simulate(requests=requests, request_blocks=blocks, model=get_model("llama-3.1-8b"),
+                   config=SimConfig(replicas=4, routing=RoutingPolicy.SESSION_AFFINITY))
+    routed = sim.tables["requests"].group_by("session_id").agg(pl.col("replica").n_unique())
+    assert routed["replica"].to_list() == [1] * 6
+    assert sim.tables["requests"]["replica"].n_unique() > 1
