@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.importer import FieldError, Parsed, Parser, need_hashes, need_int, need_number, tail_tokens
+from collector.importer import INT64_MAX, FieldError, Parsed, Parser, hash_id_request, need_int, need_number
 
 __all__ = ["BLOCK_TOKENS", "parser"]
 
@@ -22,30 +22,19 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
     roots: dict[int, int] = {}  # chat_id -> root chat_id, for chats seen so far
 
     def parse(rec: Any, *, lineno: int, stem: str) -> Parsed:
-        chat = need_int(rec, "chat_id", minimum=-(1 << 63))
+        chat = need_int(rec, "chat_id", minimum=-(1 << 63), maximum=INT64_MAX)
         parent = rec.get("parent_chat_id", -1)
         if isinstance(parent, bool) or not isinstance(parent, int):
             raise FieldError("parent_chat_id", f"expected an integer, got {parent!r:.40}")
         # A parent not seen (yet) is its own root: the chain is cut at the trace's edge.
         root = chat if parent < 0 else roots.get(parent, parent)
         roots[chat] = root
-        prompt = need_int(rec, "input_length")
-        hashes = need_hashes(rec, "hash_ids")
-        return Parsed(
-            request={
-                "request_id": str(chat),
-                "arrival_ns": t0_ns + round(need_number(rec, "timestamp") * 1e9),
-                "model": model,
-                "session_id": str(root),
-                "prompt_tokens": prompt,
-                "output_tokens": need_int(rec, "output_length"),
-                "source": "bailian",
-            },
-            block_hashes=hashes,
-            content_hashes=hashes,
-            block_tokens=tail_tokens(prompt, len(hashes), BLOCK_TOKENS, "hash_ids"),
-            block_size_tokens=BLOCK_TOKENS,
-            namespace=namespace,
-        )
+        return hash_id_request(rec, {
+            "request_id": str(chat),
+            "arrival_ns": t0_ns + round(need_number(rec, "timestamp") * 1e9),
+            "model": model,
+            "session_id": str(root),
+            "source": "bailian",
+        }, block_tokens=BLOCK_TOKENS, namespace=namespace)
 
     return parse

@@ -26,7 +26,8 @@ from kvlens.lake import SegmentWriter
 
 __all__ = [
     "DEFAULT_T0_NS", "FORMATS", "INT32_MAX", "INT64_MAX", "FieldError", "ImportResult", "Parsed",
-    "import_files", "need_hashes", "need_int", "need_number", "opt_str", "rfc3339_ns", "tail_tokens",
+    "hash_id_request", "import_files", "need_hashes", "need_int", "need_number", "opt_str", "rfc3339_ns",
+    "tail_tokens",
 ]
 
 log = logging.getLogger(__name__)
@@ -141,6 +142,22 @@ def tail_tokens(prompt_tokens: int, n_blocks: int, block_size: int, key: str) ->
         return [block_size] * full + [rest]
     raise FieldError(key, f"{n_blocks} blocks do not fit {prompt_tokens} prompt tokens in "
                           f"blocks of {block_size} (expected {full} or {full + (1 if rest else 0)})")
+
+
+def hash_id_request(rec: Any, request: dict[str, Any], *, block_tokens: int, namespace: str) -> Parsed:
+    """A request of a public trace (Mooncake, Bailian) from ``input_length``, ``output_length``
+    and ``hash_ids``: ids already prefix-chained over token content, so they serve as both keys."""
+    prompt = need_int(rec, "input_length")
+    hashes = need_hashes(rec, "hash_ids")
+    request.update(prompt_tokens=prompt, output_tokens=need_int(rec, "output_length"))
+    return Parsed(
+        request=request,
+        block_hashes=hashes,
+        content_hashes=hashes,
+        block_tokens=tail_tokens(prompt, len(hashes), block_tokens, "hash_ids"),
+        block_size_tokens=block_tokens,
+        namespace=namespace,
+    )
 
 
 class Parser(Protocol):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.importer import INT64_MAX, FieldError, Parsed, Parser, need_hashes, need_int, tail_tokens
+from collector.importer import INT64_MAX, FieldError, Parsed, Parser, hash_id_request, need_int
 
 __all__ = ["BLOCK_TOKENS", "parser"]
 
@@ -23,23 +23,11 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
         ts_ms = need_int(rec, "timestamp", maximum=INT64_MAX)
         if t0_ns + ts_ms * 1_000_000 > INT64_MAX:
             raise FieldError("timestamp", f"{ts_ms} ms after --t0 is past the year 2262")
-        prompt = need_int(rec, "input_length")
-        hashes = need_hashes(rec, "hash_ids")
-        # The trace ids are already prefix-chained content ids: they serve as both keys.
-        return Parsed(
-            request={
-                "request_id": f"{stem}:{lineno:07d}",
-                "arrival_ns": t0_ns + ts_ms * 1_000_000,
-                "model": model,
-                "prompt_tokens": prompt,
-                "output_tokens": need_int(rec, "output_length"),
-                "source": "mooncake",
-            },
-            block_hashes=hashes,
-            content_hashes=hashes,
-            block_tokens=tail_tokens(prompt, len(hashes), BLOCK_TOKENS, "hash_ids"),
-            block_size_tokens=BLOCK_TOKENS,
-            namespace=namespace,
-        )
+        return hash_id_request(rec, {
+            "request_id": f"{stem}:{lineno:07d}",
+            "arrival_ns": t0_ns + ts_ms * 1_000_000,
+            "model": model,
+            "source": "mooncake",
+        }, block_tokens=BLOCK_TOKENS, namespace=namespace)
 
     return parse

@@ -170,6 +170,21 @@ def test_bailian_session_chain_and_blocks(tmp_path: Path, write_jsonl: Callable[
     ]
 
 
+def test_bailian_chat_ids_are_64_bit(tmp_path: Path, write_jsonl: Callable[..., Path]) -> None:
+    # The trace's chat ids are randomized integers: they do not fit 32 bits.
+    big = 2**40 + 7
+    path = write_jsonl("qwen.jsonl", [
+        {"chat_id": big, "parent_chat_id": -1, "timestamp": 0, "input_length": 16, "output_length": 1,
+         "hash_ids": [1]},
+        {"chat_id": -big, "parent_chat_id": big, "timestamp": 1, "input_length": 32, "output_length": 1,
+         "hash_ids": [1, 2]},
+    ])
+    lake = tmp_path / "lake"
+    import_files("bailian", [path], lake, scenario="bl", t0_ns=T0)
+    assert _query(lake, "SELECT request_id, session_id FROM requests ORDER BY arrival_ns") == [
+        (str(big), str(big)), (str(-big), str(big))]
+
+
 # -- Gateway ----------------------------------------------------------------------------------
 
 
