@@ -31,10 +31,10 @@ from analyzers.reuse import (
     _SIZE,
     _SLOT,
     _factorize,
-    _fw_add,
-    _fw_compact,
     _fw_prefix,
     _mix64,
+    _stack_push,
+    _stack_take,
     request_stream,
     reuse_distances,
 )
@@ -183,7 +183,6 @@ def _heap_pop(hh: np.ndarray, hk: np.ndarray, size: int) -> None:
 def _fixed_size_kernel(ids: np.ndarray, sizes: np.ndarray, key_hash: np.ndarray, max_keys: int,
                        rec: np.ndarray, tree: np.ndarray, slot_key: np.ndarray, state: np.ndarray
                        ) -> tuple[int, float, float]:
-    t = tree.shape[0]
     state[:, _SLOT] = -1
     in_sample = np.zeros(key_hash.shape[0], np.bool_)
     hh = np.empty(max_keys + 1, np.uint64)
@@ -214,10 +213,9 @@ def _fixed_size_kernel(ids: np.ndarray, sizes: np.ndarray, key_hash: np.ndarray,
                 in_sample[out_k] = False
                 p_out = state[out_k, _SLOT]
                 if p_out >= 0:
-                    _fw_add(tree, p_out, -1, -state[out_k, _SIZE])
+                    _stack_take(tree, slot_key, p_out, state[out_k, _SIZE])
                     live_c -= 1
                     live_b -= state[out_k, _SIZE]
-                    slot_key[p_out] = -1
                     state[out_k, _SLOT] = -1
                 if out_k == k:
                     continue
@@ -233,19 +231,12 @@ def _fixed_size_kernel(ids: np.ndarray, sizes: np.ndarray, key_hash: np.ndarray,
             rec[count, 2] = 1.0 / rate
             rec[count, 3] = s / rate
             count += 1
-            _fw_add(tree, p, -1, -old)
+            _stack_take(tree, slot_key, p, old)
             live_c -= 1
             live_b -= old
-            slot_key[p] = -1
-        if nxt == t:
-            nxt = _fw_compact(tree, slot_key, state)
-        _fw_add(tree, nxt, 1, s)
-        state[k, _SLOT] = nxt
-        state[k, _SIZE] = s
-        slot_key[nxt] = k
+        nxt = _stack_push(tree, slot_key, state, k, s, nxt)
         live_c += 1
         live_b += s
-        nxt += 1
     return count, sampled_w, sampled_wb
 
 

@@ -159,11 +159,30 @@ def _fw_compact(tree: np.ndarray, slot_key: np.ndarray, state: np.ndarray) -> in
     return live
 
 
+@numba.njit(cache=True, inline="always")
+def _stack_take(tree: np.ndarray, slot_key: np.ndarray, slot: int, size: int) -> None:
+    """Take the block at ``slot`` (of ``size`` bytes) out of the LRU stack."""
+    _fw_add(tree, slot, -1, -size)
+    slot_key[slot] = -1
+
+
+@numba.njit(cache=True, inline="always")
+def _stack_push(tree: np.ndarray, slot_key: np.ndarray, state: np.ndarray, k: int, size: int,
+                nxt: int) -> int:
+    """Put block ``k`` on top of the LRU stack at slot ``nxt`` (compacting when full); next free slot."""
+    if nxt == tree.shape[0]:
+        nxt = _fw_compact(tree, slot_key, state)
+    _fw_add(tree, nxt, 1, size)
+    state[k, _SLOT] = nxt
+    state[k, _SIZE] = size
+    slot_key[nxt] = k
+    return nxt + 1
+
+
 @numba.njit(cache=True)
 def _stack_kernel(ids: np.ndarray, sizes: np.ndarray, tree: np.ndarray, slot_key: np.ndarray,
                   state: np.ndarray, d_blocks: np.ndarray, d_bytes: np.ndarray, prev: np.ndarray) -> None:
     n = ids.shape[0]
-    t = tree.shape[0]
     live_c = 0
     live_b = 0
     nxt = 0
@@ -177,20 +196,13 @@ def _stack_kernel(ids: np.ndarray, sizes: np.ndarray, tree: np.ndarray, slot_key
             d_blocks[i] = live_c - c + 1
             d_bytes[i] = live_b - b + old
             prev[i] = state[k, _LAST]
-            _fw_add(tree, p, -1, -old)
+            _stack_take(tree, slot_key, p, old)
             live_c -= 1
             live_b -= old
-            slot_key[p] = -1
-        if nxt == t:
-            nxt = _fw_compact(tree, slot_key, state)
-        _fw_add(tree, nxt, 1, s)
-        state[k, _SLOT] = nxt
+        nxt = _stack_push(tree, slot_key, state, k, s, nxt)
         state[k, _LAST] = i
-        state[k, _SIZE] = s
-        slot_key[nxt] = k
         live_c += 1
         live_b += s
-        nxt += 1
 
 
 @numba.njit(cache=True)
