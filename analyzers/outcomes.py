@@ -39,18 +39,14 @@ class _Codes:
         self.index: dict[str, int] = {}
 
     def encode(self, values: pl.Series, *, null: int | None = None) -> np.ndarray:
-        out = np.empty(len(values), np.int32)
-        for i, v in enumerate(values.to_list()):
-            if v is None and null is not None:
-                out[i] = null
-                continue
-            name = "" if v is None else v
-            code = self.index.get(name)
-            if code is None:
-                code = self.index[name] = len(self.names)
+        names = values.cast(pl.Utf8)
+        if null is None:
+            names = names.fill_null("")
+        for name in names.drop_nulls().unique(maintain_order=True).to_list():
+            if name not in self.index:
+                self.index[name] = len(self.names)
                 self.names.append(name)
-            out[i] = code
-        return out
+        return names.replace_strict(self.index, default=null, return_dtype=pl.Int32).to_numpy()
 
     def decode(self, codes: np.ndarray) -> list[str | None]:
         return [self.names[c] if c >= 0 else None for c in codes.tolist()]

@@ -73,7 +73,7 @@ GROUP BY l.scenario, p.prompt ORDER BY l.scenario DESC
 """
 
 
-def _what_ifs(lake: Path, on_progress: Callable[[int], None] | None) -> None:
+def _what_ifs(lake: Path) -> None:
     con = duckdb.connect()
     open_lake(con, lake)
     reqs = con.sql("SELECT * FROM requests WHERE scenario = ?", params=[DEMO_SCENARIO]).pl()
@@ -109,7 +109,7 @@ def run_demo(workdir: Path, *, on_progress: Callable[[int], None] | None = None)
     geo = get_model(DEMO_MODEL)
     con.close()
     per_token = geo.kv_bytes_per_token()
-    _what_ifs(lake, on_progress)
+    _what_ifs(lake)
     db = workdir / "kvlens.duckdb"
     build_analysis_db(db, lake, lambda c: (
         pair for name in WHAT_IFS for pair in analyze_scenario(c, name, geo)))
