@@ -14,21 +14,25 @@ vLLM (``vllm/v1/core/kv_cache_utils.py``, FORMATS.md 1.8) keys each full block b
 - the event form is the digest's last 8 bytes, big-endian, as an unsigned 64-bit int.
 
 ``content_hashes`` is kvlens's own chain over token ids alone (no seed, no extra keys, no
-model): BLAKE2b-64 of ``parent (8 bytes LE) || tokens (uint32 LE)``, root parent 0. Engine
-events and gateway logs both use it, so the same text under another cache key still joins.
+model), root parent 0: a block's hash starts from its parent's, takes each token id through
+the splitmix64 finalizer (a full 64-bit avalanche per token), then the block length. Not
+cryptographic (nothing here is a secret); compiled, since the live collector runs it for every
+stored block. Engine events and gateway logs both use it, so the same text under another
+cache key still joins.
 """
 
 from __future__ import annotations
 
 import hashlib
 import pickle
-import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import cbor2
+import numba
+import numpy as np
 
 __all__ = [
     "ALGOS",
@@ -43,8 +47,6 @@ __all__ = [
 
 DEFAULT_SEED = "vllm-none-hash"
 ALGOS = ("sha256", "sha256_cbor")
-_LITTLE_ENDIAN = sys.byteorder == "little"
-_BLAKE2B_8 = hashlib.blake2b(digest_size=8)
 
 Algo = Literal["sha256", "sha256_cbor"]
 ExtraKeysStyle = Literal["tagged", "bare"]
@@ -120,6 +122,29 @@ def vllm_block_hashes(
     return out
 
 
+@numba.njit(cache=True, inline="always")
+def _splitmix(x: np.uint64) -> np.uint64:
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True)
+def _content_chain(tokens: np.ndarray, block_size: int, parent: np.uint64) -> np.ndarray:
+    n = tokens.shape[0] // block_size
+    out = np.empty(n, np.uint64)
+    h = parent
+    for b in range(n):
+        x = _splitmix(h ^ np.uint64(0x9E3779B97F4A7C15))
+        for i in range(b * block_size, (b + 1) * block_size):
+            x = _splitmix(x ^ np.uint64(tokens[i]))
+        h = _splitmix(x ^ np.uint64(block_size))
+        out[b] = h
+    return out
+
+
 def content_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -> list[int] | None:
     """kvlens's chain over token content alone, one uint64 per full block; None for ids that
     do not fit uint32 (no tokenizer has such a vocabulary: the input is wrong)."""
@@ -127,16 +152,7 @@ def content_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -
         tokens = array("I", token_ids)
     except (OverflowError, TypeError):
         return None
-    if not _LITTLE_ENDIAN:
-        tokens.byteswap()
-    raw = tokens.tobytes()
-    step = 4 * block_size
-    prev = parent.to_bytes(8, "little")
-    out = []
-    for start in range(0, (len(raw) // step) * step, step):
-        h = _BLAKE2B_8.copy()  # cheaper than a constructor with keywords, per block
-        h.update(prev)
-        h.update(raw[start:start + step])
-        prev = h.digest()
-        out.append(int.from_bytes(prev, "little"))
-    return out
+    if block_size < 1 or len(tokens) < block_size:
+        return []
+    chain = _content_chain(np.frombuffer(tokens, dtype=np.uint32), block_size, np.uint64(parent))
+    return chain.tolist()

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pyarrow as pa
 
 from collector.hashing import content_hashes
@@ -128,39 +129,68 @@ def medium_of(value: Any) -> str:
     return tier
 
 
+# Columns that differ between the blocks of one event; every other column is one value per event.
+_PER_BLOCK = ("block_hash", "parent_hash", "position", "extra_key", "content_hash")
+_PER_EVENT = tuple(c for c in KV_COLUMNS if c not in _PER_BLOCK)
+
+
 class KvColumns:
-    """``kv_events`` rows accumulated as tuples in KV_COLUMNS order (+ token_ids); ``take``
-    turns them into columns (a transposition in C: the per-row cost stays one tuple)."""
+    """``kv_events`` rows accumulated as runs: one tuple of the per-event columns (in
+    ``_PER_EVENT`` order) and a row count per event, and per-block lists for the rest. The
+    Arrow conversion builds each per-event column once per event and repeats it in C, so a
+    stored event of 16 blocks costs five list extends, not 16 tuples of 19 fields."""
 
     def __init__(self, keep_tokens: bool = False) -> None:
         self.keep_tokens = keep_tokens
         self.names = KV_COLUMNS + (("token_ids",) if keep_tokens else ())
-        self.rows: list[tuple[Any, ...]] = []
-        self._type: pa.StructType | None = None
+        self._blocks = _PER_BLOCK + (("token_ids",) if keep_tokens else ())
+        self._clear()
+
+    def _clear(self) -> None:
+        self.counts: list[int] = []
+        self.events: list[tuple[Any, ...]] = []
+        self.per_block: dict[str, list[Any]] = {c: [] for c in self._blocks}
+        self.n = 0
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return self.n
+
+    def add_event(self, event: tuple[Any, ...], n: int, hashes: Sequence[Any], parents: Sequence[Any],
+                  positions: Sequence[Any], extras: Sequence[Any], contents: Sequence[Any],
+                  tokens: Sequence[Any] | None = None) -> None:
+        """``n`` rows sharing the per-event values ``event``; per-block values in sequences of n."""
+        b = self.per_block
+        b["block_hash"].extend(hashes)
+        b["parent_hash"].extend(parents)
+        b["position"].extend(positions)
+        b["extra_key"].extend(extras)
+        b["content_hash"].extend(contents)
+        if self.keep_tokens:
+            b["token_ids"].extend(tokens if tokens is not None else (None,) * n)
+        self.events.append(event)
+        self.counts.append(n)
+        self.n += n
 
     def add(self, **values: Any) -> None:
         """One row from column values (the rest NULL); for rows the decoder does not make."""
-        self.rows.append(tuple(values.get(k) for k in self.names))
+        b = [(values.get(c),) for c in _PER_BLOCK]
+        self.add_event(tuple(values.get(c) for c in _PER_EVENT), 1, b[0], b[1], b[2], b[3], b[4],
+                       (values.get("token_ids"),) if self.keep_tokens else None)
 
     def take_arrow(self) -> pa.Table:
-        """The rows as an Arrow table (one conversion in C), and an empty buffer."""
-        rows, self.rows = self.rows, []
-        return pa.Table.from_struct_array(pa.array(rows, type=self._struct()))
-
-    def _struct(self) -> pa.StructType:
-        if self._type is None:
-            schema = arrow_schema(KV_EVENTS)
-            self._type = pa.struct([schema.field(n) for n in self.names])
-        return self._type
+        """The rows as an Arrow table, and an empty buffer."""
+        schema = arrow_schema(KV_EVENTS)
+        repeat = pa.array(np.repeat(np.arange(len(self.counts), dtype=np.int64), self.counts))
+        per_event = list(zip(*self.events, strict=True)) if self.events else [()] * len(_PER_EVENT)
+        cols: dict[str, pa.Array] = {
+            c: pa.array(v, type=schema.field(c).type).take(repeat)
+            for c, v in zip(_PER_EVENT, per_event, strict=True)}
+        cols.update({c: pa.array(v, type=schema.field(c).type) for c, v in self.per_block.items()})
+        self._clear()
+        return pa.table({c: cols[c] for c in self.names})
 
     def take(self) -> dict[str, list[Any]]:
-        rows, self.rows = self.rows, []
-        if not rows:
-            return {k: [] for k in self.names}
-        return {k: list(col) for k, col in zip(self.names, zip(*rows, strict=True), strict=True)}
+        return self.take_arrow().to_pydict()
 
 
 class _ChainMap:
@@ -286,24 +316,41 @@ class EventDecoder:
         info = BatchInfo(ts_ns, dp_rank, 0, [])
         head = (ts_ns, recv_ns, replica, dp_rank, seq)
         stored, removed = self._stored, self._removed
+        # Consecutive removals that share medium, group and locality become one run of rows
+        # (vLLM sends one hash per BlockRemoved); an event joins the run only once it is valid.
+        run: list[int] = []
+        run_key: tuple[Any, ...] = ()
         for ev in events:
             try:
                 if not isinstance(ev, _Event):
                     ev = _typed_event(ev)
                 if type(ev) is _Removed:
-                    info.rows += removed(ev, out, head, namespace)
-                elif type(ev) is _Stored:
+                    hashes = _hashes(ev.block_hashes)
+                    key = (medium_of(ev.medium), ev.group_idx, ev.locality)
+                    if key != run_key and run:
+                        info.rows += removed(run_key, run, out, head, namespace)
+                        run = []
+                    run_key = key
+                    run.extend(hashes)
+                    continue
+                if run:
+                    info.rows += removed(run_key, run, out, head, namespace)
+                    run = []
+                if type(ev) is _Stored:
                     info.rows += stored(ev, out, head, namespace)
                 else:
-                    row = (*head, _CLEARED, *(None,) * 10, namespace, None, None)
-                    out.rows.append((*row, None) if out.keep_tokens else row)
+                    none = (None,)
+                    out.add_event((*head, _CLEARED, None, None, None, None, None, namespace, None, None),
+                                  1, none, none, none, none, none)
                     info.rows += 1
             except _BadEvent as e:
                 info.bad_events.append(e.reason)
+        if run:
+            info.rows += removed(run_key, run, out, head, namespace)
         return info
 
     def _stored(self, ev: _Stored, out: KvColumns, head: tuple[Any, ...], ns: str | None) -> int:
-        hashes = [h & _U64 if type(h) is int else normalise_hash(h) for h in ev.block_hashes]
+        hashes = _hashes(ev.block_hashes)
         n = len(hashes)
         if n == 0:
             return 0
@@ -313,16 +360,13 @@ class EventDecoder:
         aligned = tokens is not None and block_size is not None and len(tokens) == n * block_size
         positions, contents = self._chain(hashes, parent, tokens if aligned else None, block_size or 0)
         extras = _extra_keys(ev.extra_keys, n, ev.cache_salt)
-        mid = (block_size, medium_of(ev.medium), ev.group_idx, ev.kv_cache_spec_kind, lora)
-        tail = (ns, ev.session_id, ev.locality)
-        parents = [parent, *hashes[:-1]]
-        rows = [(*head, _STORED, h, p, pos, *mid, e, c, *tail)
-                for h, p, pos, e, c in zip(hashes, parents, positions, extras, contents, strict=True)]
-        if out.keep_tokens:
+        event = (*head, _STORED, block_size, medium_of(ev.medium), ev.group_idx, ev.kv_cache_spec_kind, lora,
+                 ns, ev.session_id, ev.locality)
+        blocks = None
+        if out.keep_tokens and tokens is not None and aligned:
             bs = block_size or 0
-            rows = [(*r, tokens[i * bs:(i + 1) * bs] if tokens is not None and aligned else None)
-                    for i, r in enumerate(rows)]
-        out.rows.extend(rows)
+            blocks = [tokens[i * bs:(i + 1) * bs] for i in range(n)]
+        out.add_event(event, n, hashes, [parent, *hashes[:-1]], positions, extras, contents, blocks)
         return n
 
     def _chain(self, hashes: list[int], parent: int | None, tokens: list[int] | None,
@@ -341,17 +385,27 @@ class EventDecoder:
         self._chains.put_many(hashes, first, contents)
         return range(first, first + n), contents
 
-    def _removed(self, ev: _Removed, out: KvColumns, head: tuple[Any, ...], ns: str | None) -> int:
-        medium = medium_of(ev.medium)
+    def _removed(self, key: tuple[Any, ...], hashes: list[int], out: KvColumns, head: tuple[Any, ...],
+                 ns: str | None) -> int:
+        """Rows for a run of removed hashes sharing ``key`` = (tier, group_idx, locality)."""
+        n = len(hashes)
         get = self._chains.get
-        keep = out.keep_tokens
-        hashes = [h & _U64 if type(h) is int else normalise_hash(h) for h in ev.block_hashes]
-        for h in hashes:
-            pos, content = get(h) or (None, None)
-            row = (*head, _REMOVED, h, None, pos, None, medium, ev.group_idx, None, None, None, content, ns,
-                   None, ev.locality)
-            out.rows.append((*row, None) if keep else row)
-        return len(hashes)
+        known = [get(h) or (None, None) for h in hashes]
+        none = (None,) * n
+        medium, group_idx, locality = key
+        event = (*head, _REMOVED, None, medium, group_idx, None, None, ns, None, locality)
+        out.add_event(event, n, hashes, none, [k[0] for k in known], none, [k[1] for k in known])
+        return n
+
+
+def _hashes(raw: list[Any]) -> list[int]:
+    """Block hashes as unsigned 64-bit; non-negative ints (vLLM's usual form) pass as they are."""
+    try:
+        if not raw or min(raw) >= 0:
+            return raw  # msgpack ints are below 2**64, so non-negative ones are already uint64
+    except TypeError:  # bytes digests, or a mix
+        pass
+    return [h & _U64 if type(h) is int else normalise_hash(h) for h in raw]
 
 
 def _ts_ns(ts: float) -> int:
