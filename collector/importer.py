@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import msgspec
 
 from kvlens.errors import ConfigError, InputError
-from kvlens.lake import SegmentWriter
+from kvlens.lake import SegmentWriter, commit_together
 
 __all__ = [
     "DEFAULT_T0_NS", "FORMATS", "INT32_MAX", "INT64_MAX", "FieldError", "ImportResult", "Parsed",
@@ -265,28 +265,40 @@ def import_files(
     result = ImportResult(fmt, scenario, [str(p) for p in files])
     decoder = msgspec.json.Decoder()
     writer_id = f"import-{fmt}"
-    with SegmentWriter(lake, "requests", scenario=scenario, writer_id=writer_id, replace=True) as rw, \
-            SegmentWriter(lake, "request_blocks", scenario=scenario, writer_id=writer_id, replace=True) as bw:
+    rw = SegmentWriter(lake, "requests", scenario=scenario, writer_id=writer_id, replace=True)
+    bw = SegmentWriter(lake, "request_blocks", scenario=scenario, writer_id=writer_id, replace=True)
+    try:
         cols = _Columns(rw, bw)
         for path in files:
-            done = 0
-            for lineno, line, pos in _checked_lines(path):
-                if on_progress and pos != done:
-                    on_progress(pos - done)
-                    done = pos
-                if not line:
-                    continue
-                try:
-                    parsed = parse(decoder.decode(line), lineno=lineno, stem=path.name.split(".")[0])
-                except (msgspec.DecodeError, FieldError) as e:
-                    _bad_line(result, path, lineno, line, e, skip_bad_lines)
-                    continue
-                result.blocks += cols.add(parsed)
-                result.requests += 1
+            _read_file(path, parse, decoder, cols, result, skip_bad_lines, on_progress)
         cols.flush()
+        commit_together(rw, bw)  # both tables or neither
+    except BaseException:
+        rw.abort()
+        bw.abort()
+        raise
     log.info("imported %d requests, %d blocks into scenario %s (%d bad lines)",
              result.requests, result.blocks, scenario, result.bad_lines)
     return result
+
+
+def _read_file(path: Path, parse: Parser, decoder: msgspec.json.Decoder[Any], cols: _Columns,
+               result: ImportResult, skip_bad_lines: bool, on_progress: Callable[[int], None] | None) -> None:
+    done = 0
+    stem = path.name.split(".")[0]
+    for lineno, line, pos in _checked_lines(path):
+        if on_progress and pos != done:
+            on_progress(pos - done)
+            done = pos
+        if not line:
+            continue
+        try:
+            parsed = parse(decoder.decode(line), lineno=lineno, stem=stem)
+        except (msgspec.DecodeError, FieldError) as e:
+            _bad_line(result, path, lineno, line, e, skip_bad_lines)
+            continue
+        result.blocks += cols.add(parsed)
+        result.requests += 1
 
 
 def _bad_line(result: ImportResult, path: Path, lineno: int, line: bytes, err: Exception,

@@ -4,9 +4,10 @@ Layout: ``LAKE/<table>/scenario=NAME/date=YYYY-MM-DD/<writer>-<n>.parquet``.
 
 - A segment is written under a hidden temporary name, fsynced, then renamed, so a reader
   (any glob on ``*.parquet``) never sees half a segment.
-- A writer opened with ``replace=True`` writes into ``LAKE/.staging/`` and, on ``commit()``,
-  swaps the scenario's directory of its table whole: a re-import replaces, never duplicates.
-  A process killed before the commit leaves only staging files, which no view reads.
+- A writer opened with ``replace=True`` writes into ``LAKE/.staging/``; ``commit()`` (or
+  ``commit_together`` for the tables of one import) swaps the scenario's directories in
+  whole under an undo journal (kvlens/commit.py): a re-import replaces, never duplicates, and
+  a process killed at any point leaves every table's previous rows.
 - Each segment carries its writer's checkpoint (a JSON dict) in the Parquet key-value
   metadata; ``latest_checkpoint`` returns the newest one, so a restarted collector resumes.
 - Memory is bounded by ``flush_rows``: reaching it flushes synchronously, which is the
@@ -31,11 +32,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from kvlens.commit import STAGING, recover, staging_token, swap_in, wait_for_commits
 from kvlens.errors import ConfigError, SchemaVersionError
 from kvlens.schema import ENUMS, LAKE_TABLES, SCHEMA_VERSION, TABLES, Table, arrow_schema
 
 __all__ = [
     "SegmentWriter",
+    "commit_together",
     "compact",
     "create_enum_types",
     "lake_info",
@@ -129,6 +132,7 @@ class SegmentWriter:
             raise ConfigError(f"writer id {writer_id!r} must be a non-empty name without '/'")
         self.lake = Path(lake)
         lake_info(self.lake, create=True)
+        recover(self.lake)
         self.scenario = _check_scenario(scenario)
         self.writer_id = writer_id
         self.replace = replace
@@ -145,8 +149,7 @@ class SegmentWriter:
         self._closed = False
         final_dir = self.lake / self.table.name / f"scenario={self.scenario}"
         if replace:
-            token = f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-            self._stage_root = self.lake / ".staging" / token
+            self._stage_root = self.lake / STAGING / staging_token()
             self._target = self._stage_root / self.table.name / f"scenario={self.scenario}"
         else:
             self._target = final_dir
@@ -263,14 +266,20 @@ class SegmentWriter:
 
     def commit(self, checkpoint: Mapping[str, Any] | None = None) -> None:
         """Flush; with ``replace``, swap the staged scenario in place of the old one."""
+        if self.replace:
+            commit_together(self, checkpoint=checkpoint)
+        else:
+            self.flush(checkpoint)
+            self._closed = True
+
+    def stage(self, checkpoint: Mapping[str, Any] | None = None) -> tuple[Path, Path]:
+        """Flush and close a ``replace`` writer; its (staged, final) scenario directories."""
+        if not self.replace:
+            raise RuntimeError("only a replace=True writer stages")
         self.flush(checkpoint)
         self._closed = True
-        if not self.replace:
-            return
         self._target.mkdir(parents=True, exist_ok=True)
-        self._final.parent.mkdir(parents=True, exist_ok=True)
-        _swap_dir(self._target, self._final, self.lake)
-        shutil.rmtree(self._stage_root, ignore_errors=True)
+        return self._target, self._final
 
     def abort(self) -> None:
         """Drop the buffer; with ``replace``, remove everything staged."""
@@ -294,26 +303,28 @@ def _day_str(day: int) -> str:
     return time.strftime("%Y-%m-%d", time.gmtime(int(day) * 86_400))
 
 
-def _swap_dir(new: Path, final: Path, lake: Path) -> None:
-    """Put ``new`` where ``final`` is, each step a rename: readers see old or new, never a mix."""
-    trash = lake / ".trash" / f"{time.time_ns()}-{uuid.uuid4().hex[:8]}"
-    if final.exists():
-        trash.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(final, trash)
-    os.replace(new, final)
-    _fsync_dir(final.parent)
-    shutil.rmtree(trash, ignore_errors=True)
+def commit_together(*writers: SegmentWriter, checkpoint: Mapping[str, Any] | None = None) -> None:
+    """Swap the staged scenarios of ``replace`` writers (one lake) in, all tables or none."""
+    lake = writers[0].lake
+    swap_in(lake, [w.stage(checkpoint) for w in writers])
+    for w in writers:
+        shutil.rmtree(w._stage_root, ignore_errors=True)
 
 
 def write_scenario(lake: str | os.PathLike[str], scenario: str, tables: Mapping[str, pa.Table],
                    *, writer_id: str) -> dict[str, int]:
-    """Write whole tables of one scenario, each replacing that scenario's rows; returns row counts."""
-    counts = {}
-    for name, data in tables.items():
-        with SegmentWriter(lake, name, scenario=scenario, writer_id=writer_id, replace=True) as w:
+    """Write whole tables of one scenario, replacing that scenario's rows in all of them at once."""
+    writers = [SegmentWriter(lake, name, scenario=scenario, writer_id=writer_id, replace=True)
+               for name in tables]
+    try:
+        for w, data in zip(writers, tables.values(), strict=True):
             w.append_arrow(data)
-        counts[name] = data.num_rows
-    return counts
+        commit_together(*writers)
+    except BaseException:
+        for w in writers:
+            w.abort()
+        raise
+    return {name: data.num_rows for name, data in tables.items()}
 
 
 def segment_files(lake: str | Path, table: str, scenario: str | None = None) -> list[Path]:
@@ -382,6 +393,12 @@ def open_lake(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], *,
     if not root.exists():
         raise ConfigError(f"lake {root} does not exist: import or collect into it first")
     lake_info(root)
+    try:
+        recover(root)
+    except OSError as e:  # a read-only mount: read what is there
+        log.warning("lake %s: could not recover unfinished commits: %s", root, e)
+    if not wait_for_commits(root):
+        log.warning("lake %s: a commit is still in progress; views may mix old and new rows", root)
     create_enum_types(con)
     kind = "TEMP VIEW" if temp else "VIEW"
     for table in LAKE_TABLES:
@@ -404,7 +421,7 @@ def compact(lake: str | Path, *, today: str | None = None) -> dict[str, int]:
             if day_dir.name[len("date="):] >= today or len(files) < 2:
                 continue
             parts = [pq.read_table(f, schema=arrow_schema(table)) for f in files]
-            stage = root / ".staging" / f"compact-{uuid.uuid4().hex[:8]}" / day_dir.name
+            stage = root / STAGING / staging_token() / day_dir.name
             stage.mkdir(parents=True)
             data = pa.concat_tables(parts)
             last_meta = pq.read_schema(files[-1]).metadata or {}
@@ -413,7 +430,7 @@ def compact(lake: str | Path, *, today: str | None = None) -> dict[str, int]:
                 pq.write_table(data.replace_schema_metadata(last_meta), f, compression="zstd")
                 f.flush()
                 os.fsync(f.fileno())
-            _swap_dir(stage, day_dir, root)
+            swap_in(root, [(stage, day_dir)])
             shutil.rmtree(stage.parent, ignore_errors=True)
             merged += 1
             removed += len(files)

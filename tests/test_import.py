@@ -437,31 +437,62 @@ def test_kill_midway_leaves_previous_scenario(tmp_path: Path, mooncake3: Path) -
     assert orphans == [(0,)]
 
 
-@pytest.mark.xfail(strict=True, reason="requests and request_blocks are committed by two separate "
-                   "directory swaps: a crash between them leaves new blocks beside old requests")
-def test_crash_between_table_commits_is_not_a_mix(tmp_path: Path, mooncake3: Path,
-                                                  write_jsonl: Callable[..., Path],
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    import kvlens.lake as lake_mod
+def test_error_between_table_commits_is_undone(tmp_path: Path, mooncake3: Path,
+                                               write_jsonl: Callable[..., Path],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    import kvlens.commit as commit_mod
 
     lake = tmp_path / "lake"
     import_files("mooncake", [mooncake3], lake, scenario="s")
     before = _requests(lake), _blocks(lake)
 
-    real_swap = lake_mod._swap_dir
-    calls: list[Path] = []
+    real_swap = commit_mod._swap_one
+    calls: list[object] = []
 
-    def swap_then_die(new: Path, final: Path, root: Path) -> None:
-        calls.append(final)
-        if len(calls) == 2:  # the process dies before the second table's swap
-            raise KeyboardInterrupt("simulated kill")
-        real_swap(new, final, root)
+    def swap_then_die(entry: dict[str, object]) -> None:
+        calls.append(entry)
+        if len(calls) == 2:  # interrupted before the second table's swap
+            raise KeyboardInterrupt("simulated interrupt")
+        real_swap(entry)
 
-    monkeypatch.setattr(lake_mod, "_swap_dir", swap_then_die)
+    monkeypatch.setattr(commit_mod, "_swap_one", swap_then_die)
     other = write_jsonl("other.jsonl", [GOOD])
     with pytest.raises(KeyboardInterrupt):
         import_files("mooncake", [other], lake, scenario="s")
     assert (_requests(lake), _blocks(lake)) == before
+    assert not list((lake / ".journal").glob("*.json"))
+
+
+_KILL_BETWEEN_SWAPS = """
+import os, sys
+import kvlens.commit as c
+from collector.importer import import_files
+real, calls = c._swap_one, []
+def swap(entry):
+    calls.append(entry)
+    if len(calls) == 2:
+        os._exit(9)  # dies like kill -9: no handler, no cleanup
+    real(entry)
+c._swap_one = swap
+import_files("mooncake", [sys.argv[1]], sys.argv[2], scenario="s")
+"""
+
+
+def test_kill_between_table_commits_is_undone_by_the_next_reader(
+        tmp_path: Path, mooncake3: Path, write_jsonl: Callable[..., Path]) -> None:
+    lake = tmp_path / "lake"
+    import_files("mooncake", [mooncake3], lake, scenario="s")
+    before = _requests(lake), _blocks(lake)
+    other = write_jsonl("other.jsonl", [GOOD])
+    child = subprocess.run([sys.executable, "-c", _KILL_BETWEEN_SWAPS, str(other), str(lake)], cwd=REPO,
+                           timeout=120)
+    assert child.returncode == 9
+    assert list((lake / ".journal").glob("*.json")), "the dead commit left its journal"
+    assert (_requests(lake), _blocks(lake)) == before  # open_lake undid it
+    assert not list((lake / ".journal").glob("*.json"))
+    assert not [p for p in (lake / ".staging").glob("*")]  # the dead import's staging is gone
+    import_files("mooncake", [other], lake, scenario="s")  # and the lake takes the next import
+    assert len(_requests(lake)) == 1
 
 
 # -- Gzip and progress ------------------------------------------------------------------------

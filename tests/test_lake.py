@@ -189,3 +189,31 @@ def test_every_lake_table_round_trips_its_declared_types(tmp_path: Path) -> None
                 assert value == next(iter(c.enum)).value
             else:
                 assert value == sample[c.type], (table.name, col)
+
+
+def test_recover_leaves_a_live_commit_alone_and_undoes_a_dead_one(tmp_path: Path) -> None:
+    import json as _json
+    import os
+
+    from kvlens.commit import recover, staging_token
+
+    with SegmentWriter(tmp_path, "requests", scenario="s", replace=True) as w:
+        w.append_rows([{"request_id": "old", "arrival_ns": 0}])
+    final = tmp_path / "requests" / "scenario=s"
+    staged = tmp_path / ".staging" / "x" / "requests" / "scenario=s"
+    staged.parent.mkdir(parents=True)
+    trash = tmp_path / ".trash" / "t" / "0"
+    trash.parent.mkdir(parents=True)
+    os.replace(final, trash)  # a commit that died after moving the old rows aside
+    entries = [{"staged": str(staged), "final": str(final), "trash": str(trash), "had_old": True}]
+    journal_dir = tmp_path / ".journal"
+    journal_dir.mkdir(exist_ok=True)
+    live = journal_dir / f"{staging_token()}.json"  # this process: alive
+    live.write_text(_json.dumps({"entries": entries}))
+    assert recover(tmp_path) == 0 and live.exists() and not final.exists()
+    dead = journal_dir / (live.stem.rsplit("-", 2)[0] + "-999999999-deadbeef.json")  # no such pid
+    live.rename(dead)
+    assert recover(tmp_path) == 1 and not dead.exists()
+    con = duckdb.connect()
+    open_lake(con, tmp_path)
+    assert con.execute("SELECT list(request_id) FROM requests").fetchone() == (["old"],)
