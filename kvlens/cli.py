@@ -155,7 +155,7 @@ def compact_cmd(lake: str) -> None:
 
     Example: kvlens compact --lake lake
     """
-    from kvlens.lake import compact
+    from kvlens.compact import compact
 
     counts = compact(lake)
     click.echo(f"merged {counts['partitions_merged']} partitions "

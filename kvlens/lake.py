@@ -39,7 +39,6 @@ from kvlens.schema import ENUMS, LAKE_TABLES, SCHEMA_VERSION, TABLES, Table, arr
 __all__ = [
     "SegmentWriter",
     "commit_together",
-    "compact",
     "create_enum_types",
     "lake_info",
     "latest_checkpoint",
@@ -404,34 +403,3 @@ def open_lake(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], *,
     for table in LAKE_TABLES:
         con.execute(f"CREATE OR REPLACE {kind} {table.name} AS {_view_sql(root, table)}")
     return [t.name for t in LAKE_TABLES]
-
-
-def compact(lake: str | Path, *, today: str | None = None) -> dict[str, int]:
-    """Merge the segments of each closed day (before ``today``, UTC) into one per partition.
-
-    The partition directory is rebuilt under staging and swapped in whole. Returns counts.
-    """
-    root = Path(lake)
-    lake_info(root)
-    today = today or time.strftime("%Y-%m-%d", time.gmtime())
-    merged = removed = 0
-    for table in LAKE_TABLES:
-        for day_dir in sorted((root / table.name).glob("scenario=*/date=*")):
-            files = sorted(day_dir.glob("*.parquet"))
-            if day_dir.name[len("date="):] >= today or len(files) < 2:
-                continue
-            parts = [pq.read_table(f, schema=arrow_schema(table)) for f in files]
-            stage = root / STAGING / staging_token() / day_dir.name
-            stage.mkdir(parents=True)
-            data = pa.concat_tables(parts)
-            last_meta = pq.read_schema(files[-1]).metadata or {}
-            out = stage / files[-1].name  # keeps the newest name, so checkpoints still resolve
-            with open(out, "wb") as f:
-                pq.write_table(data.replace_schema_metadata(last_meta), f, compression="zstd")
-                f.flush()
-                os.fsync(f.fileno())
-            swap_in(root, [(stage, day_dir)])
-            shutil.rmtree(stage.parent, ignore_errors=True)
-            merged += 1
-            removed += len(files)
-    return {"partitions_merged": merged, "segments_replaced": removed}

@@ -10,8 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from kvlens.compact import compact
 from kvlens.errors import ConfigError, SchemaVersionError
-from kvlens.lake import SegmentWriter, compact, latest_checkpoint, open_lake, segment_files
+from kvlens.lake import SegmentWriter, latest_checkpoint, open_lake, segment_files
 from kvlens.schema import LAKE_TABLES, TABLES
 
 DAY = 86_400 * 10**9
