@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import duckdb
 import polars as pl
 
+from analyzers.capacity import effective_capacity, ttl_coverage
 from analyzers.ledger import miss_ledger
 from analyzers.mrc import mrc
 from analyzers.outcomes import block_outcomes
@@ -19,15 +20,22 @@ from analyzers.request_ledger import request_ledger
 from analyzers.reuse import reuse
 from kvlens.models import ModelGeometry
 
-__all__ = ["analyze_scenario", "block_outcomes", "miss_ledger", "mrc", "request_ledger", "reuse"]
+__all__ = [
+    "analyze_scenario", "block_outcomes", "effective_capacity", "miss_ledger", "mrc", "request_ledger",
+    "reuse", "ttl_coverage",
+]
 
 # SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
 SHARDS_RATE = 0.01
 
 
-def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str,
-                     model: ModelGeometry) -> Iterator[tuple[str, pl.DataFrame]]:
-    """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs."""
+def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,
+                     *, cache_tokens: int | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
+    """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs.
+
+    ``cache_tokens``: the KV cache the scenario's requests are served from, in tokens (all
+    replicas together); with it, the ``capacity`` row places C_eff on the curve.
+    """
     per_token = model.kv_bytes_per_token()
     outcomes = block_outcomes(
         requests=con.table("requests"), request_blocks=con.table("request_blocks"),
@@ -43,5 +51,14 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str,
     yield "request_ledger", per_request
     yield "reuse", reuse(request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
                          requests=con.table("requests"), bytes_per_token=per_token, scenario=scenario)
-    yield "mrc", mrc(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
-                     scenario=scenario, sample_rate=SHARDS_RATE)
+    curve = mrc(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
+                scenario=scenario, sample_rate=SHARDS_RATE)
+    yield "mrc", curve
+    yield "ttl_coverage", ttl_coverage(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
+                                       scenario=scenario)
+    if cache_tokens is not None:
+        ((block,),) = con.execute("SELECT max(block_size_tokens) FROM request_blocks WHERE scenario = ?",
+                                  [scenario]).fetchall()
+        yield "capacity", effective_capacity(
+            mrc=curve, physical_bytes=cache_tokens * per_token, bytes_per_token=per_token, scenario=scenario,
+            metric_samples=con.table("metric_samples"), block_size_tokens=int(block or 16))

@@ -320,11 +320,9 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str,
     rb = _scenario_rows(request_blocks, scenario).project(
         "request_id, arrival_ns, position, block_hash, coalesce(block_tokens, 0) AS block_tokens"
     ).order(_REQUEST_ORDER)
-    frame = pl.from_arrow(rb.arrow())
-    assert isinstance(frame, pl.DataFrame)
+    frame = rb.pl()
     if requests is not None and frame.height:
-        reps = pl.from_arrow(_scenario_rows(requests, scenario).project("request_id, replica").arrow())
-        assert isinstance(reps, pl.DataFrame)
+        reps = _scenario_rows(requests, scenario).project("request_id, replica").pl()
         frame = frame.join(reps.unique("request_id"), on="request_id", how="left", maintain_order="left")
     else:
         frame = frame.with_columns(replica=pl.lit(None, pl.String))
@@ -354,8 +352,7 @@ def _event_stream(kv_events: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataF
     ev = _scenario_rows(kv_events, scenario).filter("kind = 'stored' AND block_hash IS NOT NULL").project(
         "ts_ns, seq, replica, CAST(medium AS VARCHAR) AS medium, block_hash, block_tokens"
     ).order("ts_ns, replica, seq")
-    frame = pl.from_arrow(ev.arrow())
-    assert isinstance(frame, pl.DataFrame)
+    frame = ev.pl()  # typed and empty when the scenario has no events (a raw trace import)
     known = frame["block_tokens"].drop_nulls()
     fill = int(known.mode().sort()[0]) if len(known) else 0
     return frame.with_columns(pl.col("block_tokens").fill_null(fill))

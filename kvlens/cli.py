@@ -202,7 +202,11 @@ def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
 @click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB to (re)build.")
 @click.option("--scenario", "scenarios", multiple=True, help="Scenario to analyze (repeat); default: all.")
 @click.option("--model", default=None, help="Model geometry for bytes (default: the requests' model).")
-def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None) -> None:
+@click.option("--cache-tokens", type=click.IntRange(min=1), default=None,
+              help="KV cache the requests are served from, in tokens (all replicas together): "
+                   "places the effective capacity on the miss-ratio curve (table capacity).")
+def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None,
+                cache_tokens: int | None) -> None:
     """Replay the lake into the analysis DB: block outcomes, the miss ledger, and more.
 
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
@@ -221,7 +225,8 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
         with click.progressbar(chosen, label="analyze", file=sys.stderr, width=30,
                                item_show_func=lambda s: s or "") as bar:
             for scenario in bar:
-                yield from analyze_scenario(con, scenario, _scenario_model(con, scenario, model))
+                yield from analyze_scenario(con, scenario, _scenario_model(con, scenario, model),
+                                            cache_tokens=cache_tokens)
 
     path = build_analysis_db(db, lake, compute)
     click.echo(f"analysis DB written: {path}")

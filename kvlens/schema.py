@@ -354,6 +354,38 @@ ISOLATION_FINDINGS = Table("isolation_findings", "analysis",
     _c("detail", "VARCHAR", "the finding in words"),
 ))
 
+CAPACITY = Table("capacity", "analysis",
+                 "Effective capacity C_eff and where it sits on the exact requests curve.", (
+    _SCENARIO,
+    _c("c_physical_bytes", "BIGINT", "KV cache the stream is served from (kvlens analyze --cache-tokens)",
+       "bytes"),
+    _c("c_active_decode_bytes", "BIGINT",
+       "held by running requests (kv_cache_usage_perc, or running x context)", "bytes"),
+    _c("c_reserved_bytes", "BIGINT", "configured reserve", "bytes"),
+    _c("c_fragmentation_bytes", "BIGINT", "half a block per running sequence, unless configured", "bytes"),
+    _c("c_eff_bytes", "BIGINT", "C_physical - C_active_decode - C_reserved - C_fragmentation", "bytes"),
+    _c("active_source", "VARCHAR",
+       "where C_active_decode came from: kv_cache_usage_perc, running_requests, none"),
+    _c("hit_ratio_bytes_at_eff", "DOUBLE", "exact LRU byte hit ratio at C_eff", "ratio"),
+    _c("hit_ratio_bytes_at_2x_eff", "DOUBLE", "the same at twice C_eff", "ratio"),
+    _c("gain_from_2x_ratio", "DOUBLE", "what doubling the effective capacity would buy", "ratio"),
+))
+
+TTL_COVERAGE = Table("ttl_coverage", "analysis",
+                     "Per TTL: the re-accesses it covers and the bytes it pins.", (
+    _SCENARIO,
+    _c("ttl_s", "DOUBLE", "time to live after a block's last access", "s"),
+    _c("reaccesses", "BIGINT", "re-accesses in the requests stream"),
+    _c("covered_reaccesses", "BIGINT", "re-accesses within the TTL of the previous access"),
+    _c("covered_ratio", "DOUBLE", "covered re-accesses over re-accesses", "ratio"),
+    _c("covered_bytes_ratio", "DOUBLE", "covered re-accessed bytes over re-accessed bytes", "ratio"),
+    _c("pinned_mean_bytes", "DOUBLE", "mean bytes the TTL keeps resident", "bytes"),
+    _c("pinned_peak_bytes", "DOUBLE", "peak bytes the TTL keeps resident", "bytes"),
+    _c("lru_hit_ratio_bytes_at_peak", "DOUBLE", "exact LRU byte hit ratio with the peak bytes as capacity",
+       "ratio"),
+    _c("ttl_hit_ratio_bytes", "DOUBLE", "covered re-access bytes over all accessed bytes", "ratio"),
+))
+
 WARMUP = Table("warmup", "analysis", "Time to a steady hit ratio for each new replica.", (
     *_OUTCOME_KEY,
     _c("first_request_ns", "BIGINT", "first request served", "ns"),
@@ -363,7 +395,8 @@ WARMUP = Table("warmup", "analysis", "Time to a steady hit ratio for each new re
 
 LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
-    SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REUSE, MRC, FLOWS, LATENCY_TAILS,
+    SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REUSE, MRC, CAPACITY, TTL_COVERAGE, FLOWS,
+    LATENCY_TAILS,
     PREFIX_RANKING, HYGIENE, ISOLATION_FINDINGS, WARMUP,
 )
 TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}

@@ -95,6 +95,25 @@ def _side_by_side(db: Path) -> list[str]:
     return lines
 
 
+CAPACITY_SQL = """
+SELECT c.c_eff_bytes, c.hit_ratio_bytes_at_eff, c.hit_ratio_bytes_at_2x_eff,
+       (SELECT max(hit_ratio_bytes) FROM mrc WHERE scenario = c.scenario AND method = 'exact') AS unbounded
+FROM capacity c WHERE c.scenario = $scenario
+"""
+
+
+def _capacity(db: Path, fleet_tokens: int) -> list[str]:
+    con = duckdb.connect(str(db), read_only=True)
+    ((c_eff, at, at2, unbounded),) = con.execute(CAPACITY_SQL, {"scenario": next(iter(WHAT_IFS))}).fetchall()
+    con.close()
+    return [
+        "",
+        f"Capacity: the fleet's {fleet_tokens / 1e6:.0f}M tokens ({c_eff / 2**40:.2f} TiB of KV) as one "
+        f"shared LRU would serve {at:.1%} of prompt bytes;",
+        f"  doubling it would serve {at2:.1%}, an unbounded cache {unbounded:.1%} (exact miss-ratio curve).",
+    ]
+
+
 def run_demo(workdir: Path, *, on_progress: Callable[[int], None] | None = None) -> str:
     """Import the sample trace into ``workdir/lake`` and return the summary text."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -111,8 +130,9 @@ def run_demo(workdir: Path, *, on_progress: Callable[[int], None] | None = None)
     per_token = geo.kv_bytes_per_token()
     _what_ifs(lake)
     db = workdir / "kvlens.duckdb"
+    fleet_tokens = _FLEET["replicas"] * _FLEET["capacity_tokens"]
     build_analysis_db(db, lake, lambda c: (
-        pair for name in WHAT_IFS for pair in analyze_scenario(c, name, geo)))
+        pair for name in WHAT_IFS for pair in analyze_scenario(c, name, geo, cache_tokens=fleet_tokens)))
     lines = [
         "",
         f"kvlens demo: Mooncake conversation trace as scenario {DEMO_SCENARIO!r} ({geo.name}, "
@@ -129,6 +149,7 @@ def run_demo(workdir: Path, *, on_progress: Callable[[int], None] | None = None)
         *_side_by_side(db),
         "  (rr8: round robin; cache8: cache-aware; cache8-lf1.5: cache-aware, falling back to the",
         "   least loaded replica above 1.5x the mean in-flight requests)",
+        *_capacity(db, fleet_tokens),
         "",
         f"lake:        {lake}",
         f"analysis DB: {db}",

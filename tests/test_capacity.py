@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import duckdb
 import polars as pl
 import pytest
@@ -71,3 +73,29 @@ def test_ttl_coverage_by_hand() -> None:
     assert short["ttl_hit_ratio_bytes"] == 0.25 and long_["ttl_hit_ratio_bytes"] == 0.5
     # with 2 bytes an LRU keeps block 1 through both re-accesses (distances 1 and 1)
     assert long_["lru_hit_ratio_bytes_at_peak"] == 0.5
+
+
+def test_analyze_writes_ttl_coverage_and_capacity_when_told_the_cache(
+        tmp_path: Path, mooncake3: Path) -> None:
+    from click.testing import CliRunner
+
+    from collector.importer import import_files
+    from kvlens.cli import cli
+    from kvlens.models import get_model
+
+    lake, db = tmp_path / "lake", tmp_path / "a.duckdb"
+    import_files("mooncake", [mooncake3], lake, scenario="s", model="llama-3.1-8b")
+    per_token = get_model("llama-3.1-8b").kv_bytes_per_token()
+    runner = CliRunner()
+    assert runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db)]).exit_code == 0
+    con = duckdb.connect(str(db), read_only=True)
+    assert con.execute("SELECT count(*) FROM capacity").fetchall() == [(0,)]  # no cache size given
+    assert con.execute("SELECT count(*) > 0 FROM ttl_coverage WHERE scenario = 's'").fetchall() == [(True,)]
+    con.close()
+    result = runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db), "--cache-tokens", "1024"])
+    assert result.exit_code == 0, result.output
+    con = duckdb.connect(str(db), read_only=True)
+    rows = con.execute("SELECT c_physical_bytes, c_eff_bytes, active_source FROM capacity").fetchall()
+    con.close()
+    # No metric samples in this lake: nothing is subtracted, and the source says so.
+    assert rows == [(1024 * per_token, 1024 * per_token, "none")]
