@@ -17,7 +17,7 @@ from analyzers.ledger import miss_ledger
 from analyzers.mrc import mrc
 from analyzers.outcomes import block_outcomes
 from analyzers.request_ledger import request_ledger
-from analyzers.reuse import reuse
+from analyzers.reuse import access_stream, reuse
 from kvlens.models import ModelGeometry
 
 __all__ = [
@@ -49,13 +49,14 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "block_outcomes", outcomes
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
     yield "request_ledger", per_request
+    stream = access_stream(con.table("request_blocks"), scenario, per_token, con.table("requests"))
     yield "reuse", reuse(request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
-                         requests=con.table("requests"), bytes_per_token=per_token, scenario=scenario)
+                         bytes_per_token=per_token, scenario=scenario, stream=stream)
     curve = mrc(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
-                scenario=scenario, sample_rate=SHARDS_RATE)
+                scenario=scenario, sample_rate=SHARDS_RATE, stream=stream)
     yield "mrc", curve
     yield "ttl_coverage", ttl_coverage(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
-                                       scenario=scenario)
+                                       scenario=scenario, stream=stream)
     if cache_tokens is not None:
         ((block,),) = con.execute("SELECT max(block_size_tokens) FROM request_blocks WHERE scenario = ?",
                                   [scenario]).fetchall()

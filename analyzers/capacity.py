@@ -25,7 +25,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from analyzers.reuse import request_stream, reuse_distances
+from analyzers.reuse import AccessStream, access_stream
 from kvlens.errors import ConfigError, NoDataError
 
 __all__ = ["DEFAULT_TTLS_S", "effective_capacity", "ttl_coverage"]
@@ -109,21 +109,19 @@ def _residence(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int,
 
 
 def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
-                 ttls_s: Sequence[float] = DEFAULT_TTLS_S) -> pl.DataFrame:
+                 ttls_s: Sequence[float] = DEFAULT_TTLS_S,
+                 stream: AccessStream | None = None) -> pl.DataFrame:
     """One row per TTL for the `requests` stream, sorted by ttl_s.
 
     Columns: scenario, ttl_s, reaccesses, covered_reaccesses, covered_ratio (of re-accesses),
     covered_bytes_ratio (of re-accessed bytes), pinned_mean_bytes, pinned_peak_bytes,
     lru_hit_ratio_bytes_at_peak (exact LRU byte hit ratio with pinned_peak_bytes of capacity),
     ttl_hit_ratio_bytes (covered re-access bytes over all accessed bytes, to compare with it).
+    ``stream``: the scenario's access stream when the caller already built it.
     """
-    rs = request_stream(request_blocks, scenario)
-    if rs.height == 0:
-        raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
-    keys = rs["block_hash"].to_numpy()
-    ts = rs["ts_ns"].to_numpy().astype(np.int64)
-    sizes = rs["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
-    d = reuse_distances(keys, sizes)
+    acc = stream or access_stream(request_blocks, scenario, bytes_per_token)
+    ts = acc.frame["ts_ns"].to_numpy().astype(np.int64)
+    sizes, d = acc.sizes, acc.distances
     re = d.reaccess
     interval = ts[re] - ts[d.prev[re]]
     nxt = np.full(len(ts), -1, np.int64)

@@ -30,15 +30,16 @@ import polars as pl
 from analyzers.reuse import (
     _SIZE,
     _SLOT,
+    AccessStream,
+    Distances,
     _factorize,
     _fw_prefix,
     _mix64,
     _stack_push,
     _stack_take,
-    request_stream,
+    access_stream,
     reuse_distances,
 )
-from kvlens.errors import NoDataError
 from kvlens.schema import MRC
 
 __all__ = [
@@ -88,11 +89,14 @@ def _as_arrays(keys: np.ndarray, sizes: np.ndarray | int) -> tuple[np.ndarray, n
 def exact_histogram(keys: np.ndarray, sizes: np.ndarray | int = 1) -> ReuseHistogram:
     """The exact histogram: every re-access, weight 1."""
     keys, sizes_arr = _as_arrays(keys, sizes)
-    d = reuse_distances(keys, sizes_arr)
+    return _histogram(reuse_distances(keys, sizes_arr), sizes_arr)
+
+
+def _histogram(d: Distances, sizes_arr: np.ndarray) -> ReuseHistogram:
     r = d.reaccess
     return ReuseHistogram(d.blocks[r].astype(np.float64), d.bytes[r].astype(np.float64),
                           np.ones(int(r.sum())), sizes_arr[r].astype(np.float64),
-                          float(keys.shape[0]), float(sizes_arr.sum()))
+                          float(sizes_arr.shape[0]), float(sizes_arr.sum()))
 
 
 @numba.njit(cache=True)
@@ -311,7 +315,7 @@ def _rows(hist: ReuseHistogram, method: str, block_bytes: int) -> pl.DataFrame:
 
 
 def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
-        sample_rate: float | None = None) -> pl.DataFrame:
+        sample_rate: float | None = None, stream: AccessStream | None = None) -> pl.DataFrame:
     """Rows of table `mrc` for the `requests` stream, sorted by method, capacity_bytes.
 
     Columns: scenario, stream, method (exact | shards), capacity_blocks, capacity_bytes,
@@ -324,15 +328,14 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     that is at most 2,000 blocks; otherwise a 200-point log grid plus that saturation point.
     Each value is exact at its capacity (the curve is a step function between them).
     ``sample_rate`` adds SHARDS_adj fixed-rate rows (method shards) on the same kind of grid.
+    ``stream``: the scenario's access stream when the caller already built it.
     """
-    rs = request_stream(request_blocks, scenario)
-    if rs.height == 0:
-        raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
+    acc = stream or access_stream(request_blocks, scenario, bytes_per_token)
+    rs, sizes = acc.frame, acc.sizes
     keys = rs["block_hash"].to_numpy()
-    sizes = rs["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
     full = _scenario_block_size(request_blocks, scenario) or int(rs["block_tokens"].to_numpy().max())
     block_bytes = max(1, full * bytes_per_token)
-    parts = [_rows(exact_histogram(keys, sizes), "exact", block_bytes)]
+    parts = [_rows(_histogram(acc.distances, sizes), "exact", block_bytes)]
     if sample_rate is not None:
         parts.append(_rows(shards_histogram(keys, sizes, rate=sample_rate), "shards", block_bytes))
     out = pl.concat(parts).with_columns(scenario=pl.lit(scenario), stream=pl.lit("requests"))

@@ -39,7 +39,7 @@ import polars as pl
 from kvlens.errors import NoDataError
 from kvlens.schema import REUSE
 
-__all__ = ["Distances", "reuse", "reuse_distances"]
+__all__ = ["AccessStream", "Distances", "access_stream", "reuse", "reuse_distances"]
 
 log = logging.getLogger(__name__)
 
@@ -329,8 +329,9 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str,
     return frame.rename({"arrival_ns": "ts_ns"})
 
 
-def _rows(stream: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray) -> pl.DataFrame:
-    d = reuse_distances(keys, sizes)
+def _rows(stream: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray,
+          d: Distances | None = None) -> pl.DataFrame:
+    d = reuse_distances(keys, sizes) if d is None else d
     hit = d.reaccess
     return pl.DataFrame({
         "stream": stream,
@@ -358,9 +359,29 @@ def _event_stream(kv_events: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataF
     return frame.with_columns(pl.col("block_tokens").fill_null(fill))
 
 
+@dataclass(frozen=True)
+class AccessStream:
+    """A scenario's `requests` stream with its exact reuse distances: built once, read by
+    reuse, mrc and ttl_coverage."""
+
+    frame: pl.DataFrame  # request_stream's columns, in access order
+    sizes: np.ndarray  # int64 bytes per access
+    distances: Distances
+
+
+def access_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per_token: int,
+                  requests: duckdb.DuckDBPyRelation | None = None) -> AccessStream:
+    """The `requests` stream of ``scenario`` and its distances; NoDataError when it is empty."""
+    rs = request_stream(request_blocks, scenario, requests)
+    if rs.height == 0:
+        raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
+    sizes = rs["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
+    return AccessStream(rs, sizes, reuse_distances(rs["block_hash"].to_numpy(), sizes))
+
+
 def reuse(*, request_blocks: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPyRelation | None = None,
-          bytes_per_token: int, scenario: str,
-          requests: duckdb.DuckDBPyRelation | None = None) -> pl.DataFrame:
+          bytes_per_token: int, scenario: str, requests: duckdb.DuckDBPyRelation | None = None,
+          stream: AccessStream | None = None) -> pl.DataFrame:
     """Rows of table `reuse`: one per re-access, per stream, sorted by stream, ts_ns, block_hash.
 
     Columns: scenario, stream, block_hash, ts_ns, distance_blocks, distance_bytes (block bytes =
@@ -375,12 +396,12 @@ def reuse(*, request_blocks: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPy
       all publishes sees) and ``replica:<name>/<medium>`` (what each replica's tier stored again:
       a re-store is a block recomputed after eviction, its distance what would have kept it).
 
-    Past MAX_REUSE_ROWS rows only the ``requests`` stream is kept (logged).
+    Past MAX_REUSE_ROWS rows only the ``requests`` stream is kept (logged). ``stream``: the
+    scenario's access stream when the caller already built it (with ``requests`` for replicas).
     """
-    rs = request_stream(request_blocks, scenario, requests)
-    if rs.height == 0:
-        raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
-    base = _frame_rows("requests", rs, bytes_per_token)
+    acc = stream or access_stream(request_blocks, scenario, bytes_per_token, requests)
+    rs = acc.frame
+    base = _rows("requests", rs["block_hash"].to_numpy(), acc.sizes, rs["ts_ns"].to_numpy(), acc.distances)
     parts = [base]
     roots = base.join(rs.filter(pl.col("position") == 0).select("block_hash").unique(), on="block_hash")
     parts.append(roots.with_columns(stream=pl.format("group:{}", pl.col("block_hash"))))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import duckdb
 import numpy as np
 import polars as pl
@@ -120,3 +122,24 @@ def test_reuse_table_streams() -> None:
     assert by["fleet"]["distance_bytes"].to_list() == [64]
     assert "replica:a/gpu" not in by  # a stored 1 and 2 once each
     assert (out["scenario"] == "s").all()
+
+
+def test_a_shared_access_stream_gives_the_same_tables(tmp_path: Path, mooncake3: Path) -> None:
+    # kvlens analyze builds the requests stream and its distances once for reuse, mrc and TTL.
+    from analyzers.capacity import ttl_coverage
+    from analyzers.mrc import mrc
+    from analyzers.reuse import access_stream, reuse
+    from collector.importer import import_files
+    from kvlens.lake import open_lake
+
+    lake = tmp_path / "lake"
+    import_files("mooncake", [mooncake3], lake, scenario="s")
+    con = duckdb.connect()
+    open_lake(con, lake)
+    rb, reqs = con.table("request_blocks"), con.table("requests")
+    shared = access_stream(rb, "s", 100, reqs)
+    assert shared.distances.reaccess.sum() == 2  # blocks 10 and 11 come back in the third request
+    kw = {"request_blocks": rb, "bytes_per_token": 100, "scenario": "s"}
+    assert reuse(**kw, requests=reqs).equals(reuse(**kw, stream=shared))
+    assert mrc(**kw, sample_rate=0.5).equals(mrc(**kw, sample_rate=0.5, stream=shared))
+    assert ttl_coverage(**kw).equals(ttl_coverage(**kw, stream=shared))
