@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGING", "TRASH", "recover", "staging_token", "swap_in", "wait_for_commits"]
+__all__ = ["STAGING", "TRASH", "fsync_dir", "recover", "staging_token", "swap_in", "wait_for_commits"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def _alive(host: str, pid: int) -> bool:
     return True
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -82,7 +82,7 @@ def _write_journal(path: Path, record: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _swap_one(entry: dict[str, Any]) -> None:
@@ -92,7 +92,7 @@ def _swap_one(entry: dict[str, Any]) -> None:
         Path(entry["trash"]).parent.mkdir(parents=True, exist_ok=True)
         os.replace(final, entry["trash"])
     os.replace(entry["staged"], final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _undo(entries: Sequence[dict[str, Any]]) -> None:
@@ -121,7 +121,7 @@ def swap_in(lake: Path, pairs: Sequence[tuple[Path, Path]]) -> None:
         journal.unlink(missing_ok=True)
         raise
     journal.unlink()  # the commit point
-    _fsync_dir(journal.parent)
+    fsync_dir(journal.parent)
     shutil.rmtree(lake / TRASH / token, ignore_errors=True)
 
 

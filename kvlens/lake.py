@@ -32,7 +32,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvlens.commit import STAGING, recover, staging_token, swap_in, wait_for_commits
+from kvlens.commit import STAGING, fsync_dir, recover, staging_token, swap_in, wait_for_commits
 from kvlens.errors import ConfigError, SchemaVersionError
 from kvlens.schema import ENUMS, LAKE_TABLES, SCHEMA_VERSION, TABLES, Table, arrow_schema
 
@@ -86,14 +86,6 @@ def lake_info(lake: str | Path, *, create: bool = False) -> dict[str, Any]:
     return info
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _atomic_write_bytes(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     with open(tmp, "wb") as f:
@@ -101,7 +93,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 class SegmentWriter:
@@ -258,7 +250,7 @@ class SegmentWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, directory / name)
-        _fsync_dir(directory)
+        fsync_dir(directory)
         self.segments_written += 1
 
     # -- finishing -----------------------------------------------------------------------
