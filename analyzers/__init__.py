@@ -7,12 +7,13 @@ the analysis DB writer; each analysis lives in a module of its own.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import duckdb
 import polars as pl
 
 from analyzers.capacity import effective_capacity, ttl_coverage
+from analyzers.join import join_sources
 from analyzers.ledger import miss_ledger
 from analyzers.mrc import mrc
 from analyzers.outcomes import block_outcomes
@@ -21,8 +22,8 @@ from analyzers.reuse import access_stream, reuse
 from kvlens.models import ModelGeometry
 
 __all__ = [
-    "analyze_scenario", "block_outcomes", "effective_capacity", "miss_ledger", "mrc", "request_ledger",
-    "reuse", "ttl_coverage",
+    "analyze_scenario", "block_outcomes", "effective_capacity", "join_sources", "miss_ledger", "mrc",
+    "request_ledger", "reuse", "ttl_coverage",
 ]
 
 # SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
@@ -30,18 +31,27 @@ SHARDS_RATE = 0.01
 
 
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,
-                     *, cache_tokens: int | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
+                     *, cache_tokens: int | None = None,
+                     join: Sequence[str] = ()) -> Iterator[tuple[str, pl.DataFrame]]:
     """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs.
 
     ``cache_tokens``: the KV cache the scenario's requests are served from, in tokens (all
-    replicas together); with it, the ``capacity`` row places C_eff on the curve.
+    replicas together); with it, the ``capacity`` row places C_eff on the curve. ``join``:
+    scenarios whose requests fill this one's missing columns by request id (span timings,
+    reported cached tokens); the ledger then reads the joined requests.
     """
     per_token = model.kv_bytes_per_token()
+    requests = con.table("requests")
+    if join:
+        joined, report = join_sources(requests=requests, scenario=scenario, sources=join)
+        yield "request_sources", report
+        con.register("joined_requests", joined)
+        requests = con.view("joined_requests")
     outcomes = block_outcomes(
-        requests=con.table("requests"), request_blocks=con.table("request_blocks"),
+        requests=requests, request_blocks=con.table("request_blocks"),
         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
         scenario=scenario, bytes_per_token=per_token)
-    per_request = request_ledger(block_outcomes=outcomes, requests=con.table("requests"), scenario=scenario)
+    per_request = request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario)
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
         "requests": [per_request.height], "needed_blocks": [outcomes.height],
@@ -49,7 +59,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "block_outcomes", outcomes
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
     yield "request_ledger", per_request
-    stream = access_stream(con.table("request_blocks"), scenario, per_token, con.table("requests"))
+    stream = access_stream(con.table("request_blocks"), scenario, per_token, requests)
     yield "reuse", reuse(request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
                          bytes_per_token=per_token, scenario=scenario, stream=stream)
     curve = mrc(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,

@@ -205,8 +205,12 @@ def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
 @click.option("--cache-tokens", type=click.IntRange(min=1), default=None,
               help="KV cache the requests are served from, in tokens (all replicas together): "
                    "places the effective capacity on the miss-ratio curve (table capacity).")
+@click.option("--join", "join", multiple=True, metavar="SCENARIO",
+              help="Fill each request's missing timings, replica and cached tokens from this scenario's "
+                   "requests with the same id (e.g. spans from otlp-json); repeat for several. Writes "
+                   "request_sources with the matches and the estimated clock offset.")
 def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None,
-                cache_tokens: int | None) -> None:
+                cache_tokens: int | None, join: tuple[str, ...]) -> None:
     """Replay the lake into the analysis DB: block outcomes, the miss ledger, and more.
 
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
@@ -217,8 +221,8 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
 
     def compute(con: Any) -> Any:
         present = [r[0] for r in con.execute("SELECT DISTINCT scenario FROM requests ORDER BY 1").fetchall()]
-        chosen = list(scenarios) or present
-        unknown = sorted(set(chosen) - set(present))
+        chosen = list(scenarios) or [p for p in present if p not in join]
+        unknown = sorted((set(chosen) | set(join)) - set(present))
         if unknown:
             raise NoDataError(f"scenario(s) {', '.join(unknown)} have no requests in lake {lake}: "
                               f"present are {', '.join(present) or 'none'}")
@@ -226,7 +230,7 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
                                item_show_func=lambda s: s or "") as bar:
             for scenario in bar:
                 yield from analyze_scenario(con, scenario, _scenario_model(con, scenario, model),
-                                            cache_tokens=cache_tokens)
+                                            cache_tokens=cache_tokens, join=join)
 
     path = build_analysis_db(db, lake, compute)
     click.echo(f"analysis DB written: {path}")

@@ -282,6 +282,19 @@ REQUEST_LEDGER = Table("request_ledger", "analysis",
     _c("queue_ms", "DOUBLE", "time in queue", "ms"),
 ))
 
+REQUEST_SOURCES = Table("request_sources", "analysis",
+                        "Per joined source: which requests it matched and its clock offset.", (
+    _SCENARIO,
+    _c("source_scenario", "VARCHAR", "the scenario whose requests were joined by request id"),
+    _c("source", "VARCHAR", "formats seen in it (otlp, gateway, ...)"),
+    _c("requests", "BIGINT", "requests of the scenario"),
+    _c("matched", "BIGINT", "of them, found in the source"),
+    _c("missing", "BIGINT", "of them, absent from the source"),
+    _c("only_in_source", "BIGINT", "source requests with no request in the scenario"),
+    _c("clock_offset_ms", "DOUBLE", "median of source arrival minus scenario arrival", "ms"),
+    _c("clock_offset_iqr_ms", "DOUBLE", "interquartile range of that offset", "ms"),
+))
+
 REUSE = Table("reuse", "analysis", "Reuse distance per re-access, per stream.", (
     _SCENARIO,
     _c("stream", "VARCHAR", "access stream: requests, a replica/tier, fleet, or a prefix group"),
@@ -395,9 +408,8 @@ WARMUP = Table("warmup", "analysis", "Time to a steady hit ratio for each new re
 
 LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
-    SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REUSE, MRC, CAPACITY, TTL_COVERAGE, FLOWS,
-    LATENCY_TAILS,
-    PREFIX_RANKING, HYGIENE, ISOLATION_FINDINGS, WARMUP,
+    SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REQUEST_SOURCES, REUSE, MRC, CAPACITY,
+    TTL_COVERAGE, FLOWS, LATENCY_TAILS, PREFIX_RANKING, HYGIENE, ISOLATION_FINDINGS, WARMUP,
 )
 TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}
 

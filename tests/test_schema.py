@@ -34,8 +34,10 @@ def test_design_tables_are_all_declared() -> None:
     assert {t.name for t in LAKE_TABLES} == {
         "kv_events", "requests", "request_blocks", "transfers", "metric_samples", "probe_runs"}
     assert {t.name for t in ANALYSIS_TABLES} == {
-        "scenarios", "block_outcomes", "miss_ledger", "request_ledger", "reuse", "mrc", "capacity",
-        "ttl_coverage", "flows", "latency_tails", "prefix_ranking", "hygiene", "isolation_findings", "warmup"}
+        "scenarios", "block_outcomes", "miss_ledger", "request_ledger", "request_sources", "reuse",
+        "mrc", "capacity", "ttl_coverage", "flows", "latency_tails", "prefix_ranking", "hygiene",
+        "isolation_findings", "warmup",
+    }
 
 
 def test_every_table_has_a_scenario_and_documented_columns() -> None:
