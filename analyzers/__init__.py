@@ -17,13 +17,14 @@ from analyzers.join import join_sources
 from analyzers.ledger import miss_ledger
 from analyzers.mrc import mrc
 from analyzers.outcomes import block_outcomes
+from analyzers.reconcile import reconcile
 from analyzers.request_ledger import request_ledger
 from analyzers.reuse import access_stream, reuse
 from kvlens.models import ModelGeometry
 
 __all__ = [
     "analyze_scenario", "block_outcomes", "effective_capacity", "join_sources", "miss_ledger", "mrc",
-    "request_ledger", "reuse", "ttl_coverage",
+    "reconcile", "request_ledger", "reuse", "ttl_coverage",
 ]
 
 # SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
@@ -31,14 +32,16 @@ SHARDS_RATE = 0.01
 
 
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,
-                     *, cache_tokens: int | None = None,
-                     join: Sequence[str] = ()) -> Iterator[tuple[str, pl.DataFrame]]:
+                     *, cache_tokens: int | None = None, join: Sequence[str] = (),
+                     metrics_from: str | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
     """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs.
 
     ``cache_tokens``: the KV cache the scenario's requests are served from, in tokens (all
     replicas together); with it, the ``capacity`` row places C_eff on the curve. ``join``:
     scenarios whose requests fill this one's missing columns by request id (span timings,
-    reported cached tokens); the ledger then reads the joined requests.
+    reported cached tokens); the ledger then reads the joined requests. ``metrics_from``: the
+    scenario holding the engines' scraped metrics (default: this one); when it has samples,
+    ``reconciliation`` sets the engines' own hit counters beside the ledger.
     """
     per_token = model.kv_bytes_per_token()
     requests = con.table("requests")
@@ -59,6 +62,13 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "block_outcomes", outcomes
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
     yield "request_ledger", per_request
+    metrics_scenario = metrics_from or scenario
+    ((scraped,),) = con.execute("SELECT count(*) FROM metric_samples WHERE scenario = ?",
+                                [metrics_scenario]).fetchall()
+    if scraped:
+        yield "reconciliation", reconcile(metric_samples=con.table("metric_samples"),
+                                          request_ledger=per_request, scenario=scenario,
+                                          metrics_scenario=metrics_scenario)
     stream = access_stream(con.table("request_blocks"), scenario, per_token, requests)
     yield "reuse", reuse(request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
                          bytes_per_token=per_token, scenario=scenario, stream=stream)

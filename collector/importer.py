@@ -161,19 +161,21 @@ def hash_id_request(rec: Any, request: dict[str, Any], *, block_tokens: int, nam
 
 
 class Parser(Protocol):
-    def __call__(self, rec: Any, *, lineno: int, stem: str) -> Parsed: ...
+    # None: the line repeats a request already parsed (counted in ImportResult.repeats).
+    def __call__(self, rec: Any, *, lineno: int, stem: str) -> Parsed | None: ...
 
 
 ParserFactory = Callable[..., Parser]  # (*, model, t0_ns) -> Parser
 
 
 def _formats() -> dict[str, ParserFactory]:
-    from collector import bailian, gateway, mooncake
+    from collector import bailian, gateway, lmcache, mooncake
 
-    return {"mooncake": mooncake.parser, "bailian": bailian.parser, "gateway": gateway.parser}
+    return {"mooncake": mooncake.parser, "bailian": bailian.parser, "gateway": gateway.parser,
+            "lmcache-lookup": lmcache.parser}
 
 
-FORMATS: tuple[str, ...] = ("mooncake", "bailian", "gateway")
+FORMATS: tuple[str, ...] = ("mooncake", "bailian", "gateway", "lmcache-lookup")
 
 
 @dataclass
@@ -184,6 +186,7 @@ class ImportResult:
     requests: int = 0
     blocks: int = 0
     bad_lines: int = 0
+    repeats: int = 0
     first_bad: list[str] = field(default_factory=list)
 
 
@@ -296,6 +299,9 @@ def _read_file(path: Path, parse: Parser, decoder: msgspec.json.Decoder[Any], co
             parsed = parse(decoder.decode(line), lineno=lineno, stem=stem)
         except (msgspec.DecodeError, FieldError) as e:
             _bad_line(result, path, lineno, line, e, skip_bad_lines)
+            continue
+        if parsed is None:
+            result.repeats += 1
             continue
         result.blocks += cols.add(parsed)
         result.requests += 1

@@ -406,10 +406,32 @@ WARMUP = Table("warmup", "analysis", "Time to a steady hit ratio for each new re
     _c("prewarm_bytes", "BIGINT", "bytes a pre-warm of the hot prefixes would move", "bytes"),
 ))
 
+RECONCILIATION = Table("reconciliation", "analysis",
+                       "Engine prefix-cache token counters beside the ledger, per replica and window.", (
+    *_OUTCOME_KEY,
+    _c("window_start_ns", "BIGINT", "the replica's first sample (or counter creation), or a window's start",
+       "ns"),
+    _c("window_end_ns", "BIGINT", "last sample of the replica, or the window's end", "ns"),
+    _c("engine_queries_tokens", "BIGINT", "increase of vllm:prefix_cache_queries (resets handled)", "tokens"),
+    _c("engine_hit_tokens", "BIGINT", "increase of vllm:prefix_cache_hits (resets handled)", "tokens"),
+    _c("engine_external_hit_tokens", "BIGINT", "increase of vllm:external_prefix_cache_hits (KV connector)",
+       "tokens"),
+    _c("counter_resets", "BIGINT", "counter decreases seen (engine restarts) in the window"),
+    _c("ledger_requests", "BIGINT", "requests of the ledger arriving in the window"),
+    _c("ledger_prompt_tokens", "BIGINT", "their prompt tokens", "tokens"),
+    _c("ledger_hit_tokens", "BIGINT", "their hit tokens as the ledger found them", "tokens"),
+    _c("reported_cached_tokens", "BIGINT", "their cached_tokens as the engine reported them, when known",
+       "tokens"),
+    _c("difference_tokens", "BIGINT", "engine hits (local + external) minus ledger hit tokens", "tokens"),
+    _c("difference_ratio", "DOUBLE", "difference_tokens over the engine's hits", "ratio"),
+    _c("reported_difference_tokens", "BIGINT", "engine hits (local + external) minus reported cached tokens",
+       "tokens"),
+))
+
 LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
     SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REQUEST_SOURCES, REUSE, MRC, CAPACITY,
-    TTL_COVERAGE, FLOWS, LATENCY_TAILS, PREFIX_RANKING, HYGIENE, ISOLATION_FINDINGS, WARMUP,
+    TTL_COVERAGE, FLOWS, LATENCY_TAILS, PREFIX_RANKING, HYGIENE, ISOLATION_FINDINGS, WARMUP, RECONCILIATION,
 )
 TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}
 

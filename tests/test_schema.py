@@ -36,7 +36,7 @@ def test_design_tables_are_all_declared() -> None:
     assert {t.name for t in ANALYSIS_TABLES} == {
         "scenarios", "block_outcomes", "miss_ledger", "request_ledger", "request_sources", "reuse",
         "mrc", "capacity", "ttl_coverage", "flows", "latency_tails", "prefix_ranking", "hygiene",
-        "isolation_findings", "warmup",
+        "isolation_findings", "warmup", "reconciliation",
     }
 
 
