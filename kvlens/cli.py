@@ -16,7 +16,7 @@ from kvlens.errors import KvlensError
 
 __all__ = ["cli", "main"]
 
-IMPORT_FORMATS = ("mooncake", "bailian", "gateway", "vllm-events")
+IMPORT_FORMATS = ("mooncake", "bailian", "gateway", "vllm-events", "lmcache-lookup", "otlp-json", "otlp")
 
 
 def _routing_policies() -> list[Any]:
@@ -88,6 +88,9 @@ def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model
                    f"scenario {scenario!r} of {lake} ({counts['bad_frames']:,} bad frames, "
                    f"{counts['bad_events']:,} bad events, {counts['duplicates']:,} duplicates skipped)")
         return
+    if fmt in ("otlp-json", "otlp"):  # OTLP trace files -> requests only (no blocks)
+        _import_otlp(fmt, files, lake, scenario, model, skip_bad_lines)
+        return
     from collector.importer import import_files
 
     with _progress_bar(files, f"import {fmt}") as bar:
@@ -97,6 +100,8 @@ def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model
                f"into scenario {scenario!r} of {lake}")
     if result.bad_lines:
         click.echo(f"skipped {result.bad_lines:,} bad lines; first: {result.first_bad[0]}", err=True)
+    if result.repeats:
+        click.echo(f"skipped {result.repeats:,} repeated lookups of requests already imported", err=True)
 
 
 @cli.command("sql")
@@ -209,8 +214,11 @@ def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
               help="Fill each request's missing timings, replica and cached tokens from this scenario's "
                    "requests with the same id (e.g. spans from otlp-json); repeat for several. Writes "
                    "request_sources with the matches and the estimated clock offset.")
+@click.option("--metrics-from", default=None, metavar="SCENARIO",
+              help="Scenario holding the engines' scraped metrics (e.g. live); default: each analyzed "
+                   "scenario itself. Writes reconciliation: engine hit counters beside the ledger.")
 def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None,
-                cache_tokens: int | None, join: tuple[str, ...]) -> None:
+                cache_tokens: int | None, join: tuple[str, ...], metrics_from: str | None) -> None:
     """Replay the lake into the analysis DB: block outcomes, the miss ledger, and more.
 
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
@@ -230,7 +238,7 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
                                item_show_func=lambda s: s or "") as bar:
             for scenario in bar:
                 yield from analyze_scenario(con, scenario, _scenario_model(con, scenario, model),
-                                            cache_tokens=cache_tokens, join=join)
+                                            cache_tokens=cache_tokens, join=join, metrics_from=metrics_from)
 
     path = build_analysis_db(db, lake, compute)
     click.echo(f"analysis DB written: {path}")
@@ -407,6 +415,91 @@ def probe_cmd(model: str | None, prefix_tokens: str | None, lake: str | None, qu
     if not report.byte_exact:
         raise click.ClickException("a transfer path was not byte-exact (or the delay-injection "
                                    "check failed); see the table above")
+
+
+@collect_group.command("scrape")
+@click.option("--url", required=True, help="The engine's metrics endpoint, e.g. http://HOST:8000/metrics.")
+@click.option("--replica", required=True, help="Replica name recorded on the rows.")
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--interval", type=click.FloatRange(min=0.01), default=15.0, show_default=True,
+              help="Seconds between scrapes.")
+@click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
+@click.option("--timeout", type=click.FloatRange(min=0.01), default=5.0, show_default=True,
+              help="Seconds before a scrape is given up (and counted as failed).")
+@click.option("--scenario", default="live", show_default=True, help="Scenario the samples are written to.")
+@click.option("--flush-seconds", type=float, default=60.0, show_default=True,
+              help="Write a segment at least this often.")
+@click.option("--family", "families", multiple=True,
+              help="Metric family name prefix to keep (repeat); default: the documented allow-list.")
+def collect_scrape_cmd(url: str, replica: str, lake: str, interval: float, duration: float | None,
+                       timeout: float, scenario: str, flush_seconds: float,
+                       families: tuple[str, ...]) -> None:
+    """Scrape an engine's Prometheus /metrics (vLLM, SGLang, LMCache) into metric_samples.
+
+    Example: kvlens collect scrape --url http://127.0.0.1:8000/metrics --replica replica-a --lake lake
+    """
+    import signal
+
+    from collector.scrape import DEFAULT_FAMILY_PREFIXES, Scraper
+
+    scraper = Scraper(url=url, replica=replica, lake=lake, interval_s=interval, timeout_s=timeout,
+                      scenario=scenario, flush_s=flush_seconds, prefixes=families or DEFAULT_FAMILY_PREFIXES)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: scraper.stop())
+    click.echo(f"scraping {url} every {interval:g} s into {lake} as writer scrape-{replica}", err=True)
+    stats = scraper.run(duration_s=duration)
+    click.echo(f"{replica}: {stats.ok:,} scrapes, {stats.failed:,} failed, {stats.samples:,} samples")
+    if stats.last_error:
+        click.echo(f"last failure: {stats.last_error}", err=True)
+
+
+def _import_otlp(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
+                 skip_bad_lines: bool) -> None:
+    from collector.otlp import import_otlp
+
+    result = import_otlp(fmt, files, lake, scenario=scenario, model=model, skip_bad_lines=skip_bad_lines)
+    click.echo(f"imported {result.requests:,} requests from llm_request spans into scenario {scenario!r} "
+               f"of {lake} ({result.other_spans:,} other spans, {result.bad_spans:,} without a request id)")
+    if result.bad_lines:
+        click.echo(f"skipped {result.bad_lines:,} bad lines; first: {result.first_bad[0]}", err=True)
+
+
+@collect_group.command("otlp")
+@click.option("--listen", default="127.0.0.1:4318", show_default=True,
+              help="HOST:PORT to serve OTLP/HTTP on (loopback unless told otherwise).")
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
+@click.option("--max-body-bytes", type=click.IntRange(min=1), default=16 * 2**20, show_default=True,
+              help="Largest request body accepted, before and after gunzip (413 above).")
+@click.option("--replica", default=None, help="Replica name for every row (default: from the resource).")
+@click.option("--model", default=None, help="Model name for spans that carry none.")
+@click.option("--flush-seconds", type=float, default=5.0, show_default=True,
+              help="Commit a segment at least this often.")
+def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_bytes: int,
+                     replica: str | None, model: str | None, flush_seconds: float) -> None:
+    """Receive OTLP/HTTP traces (vLLM llm_request spans) into requests; GET /metrics on the same port.
+
+    Example: kvlens collect otlp --listen 127.0.0.1:4318 --lake lake --duration 600
+    """
+    import signal
+    import threading
+
+    from collector.otlp_server import OtlpReceiver, ReceiverOptions, parse_listen
+
+    host, port = parse_listen(listen)
+    receiver = OtlpReceiver(ReceiverOptions(lake=lake, host=host, port=port, replica=replica, model=model,
+                                            max_body_bytes=max_body_bytes, flush_age_s=flush_seconds))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    click.echo(f"receiving OTLP traces on http://{listen}/v1/traces into {lake} "
+               f"as writer {receiver.writer_id}", err=True)
+    receiver.run(duration_s=duration, stop_event=stop)
+    m = receiver.metrics
+    click.echo(f"{m.value('kvlens_otlp_requests_total'):,.0f} requests from "
+               f"{m.value('kvlens_otlp_spans_total', kind='llm_request'):,.0f} llm_request spans, "
+               f"{m.value('kvlens_otlp_spans_total', kind='other'):,.0f} other spans; "
+               f"{m.value('kvlens_otlp_written_rows_total'):,.0f} rows written")
 
 
 def main(argv: list[str] | None = None) -> None:
