@@ -3,14 +3,19 @@
 The engine's KV-event frames go through `kvlens import vllm-events` (the collector's decoder and
 the lake writer); the client's prompts, as gateway lines with token ids, through the gateway
 importer, whose vLLM-compatible hasher (sha256_cbor, PYTHONHASHSEED 0, 32-token blocks) turns
-them into the engine's block keys; `kvlens analyze` replays the events. For every request,
-kvlens's hit tokens must equal the engine's own `cached_tokens`.
+them into the engine's block keys; the OTLP bodies the engine posted through `kvlens import
+otlp`; its /metrics, served on loopback, through `kvlens collect scrape`. `kvlens analyze`
+replays the events, joins the spans and reconciles the counters. For every request, kvlens's
+hit tokens must equal the engine's own `cached_tokens`.
 """
 
 from __future__ import annotations
 
+import http.server
 import json
 import re
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import duckdb
@@ -37,16 +42,49 @@ def _gateway_lines(out: Path) -> Path:
     return out
 
 
+class _Metrics(http.server.BaseHTTPRequestHandler):
+    def do_GET(self) -> None:
+        body = (CAPTURE / "metrics.txt").read_bytes()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def analysis_db(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def metrics_url() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
+    server.shutdown()
+    server.server_close()
+    thread.join()
+
+
+@pytest.fixture(scope="module")
+def analysis_db(tmp_path_factory: pytest.TempPathFactory, metrics_url: str) -> Path:
     tmp = tmp_path_factory.mktemp("capture")
     lake, db = tmp / "lake", tmp / "kvlens.duckdb"
     runner = CliRunner()
-    for args in (["import", "vllm-events", str(CAPTURE / "kv_events.frames.jsonl")],
-                 ["import", "gateway", str(_gateway_lines(tmp / "gateway.jsonl"))]):
-        result = runner.invoke(cli, [*args, "--lake", str(lake), "--scenario", "capture"])
-        assert result.exit_code == 0, result.output
-    result = runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db), "--model", "llama-3.1-8b"])
+    steps = [
+        ["import", "vllm-events", str(CAPTURE / "kv_events.frames.jsonl"), "--scenario", "capture"],
+        ["import", "gateway", str(_gateway_lines(tmp / "gateway.jsonl")), "--scenario", "capture"],
+        ["import", "otlp", str(CAPTURE / "otlp_000.pb"), str(CAPTURE / "otlp_001.pb"),
+         "--scenario", "capture-spans"],
+        ["collect", "scrape", "--url", metrics_url, "--replica", "replica-a", "--interval", "0.2",
+         "--duration", "0.5", "--scenario", "capture-metrics"],
+    ]
+    for args in steps:
+        result = runner.invoke(cli, [*args, "--lake", str(lake)])
+        assert result.exit_code == 0, (args, result.output)
+    result = runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db), "--model", "llama-3.1-8b",
+                                 "--scenario", "capture", "--join", "capture-spans",
+                                 "--metrics-from", "capture-metrics"])
     assert result.exit_code == 0, result.output
     return db
 
@@ -84,3 +122,18 @@ def test_the_engine_rule_and_the_misses_are_named(analysis_db: Path) -> None:
     ((prompt, full),) = _query(analysis_db, "SELECT sum(prompt_tokens), "
                                             "sum(prompt_tokens - tail_partial_tokens) FROM request_ledger")
     assert sum(outcomes.values()) == full < prompt
+
+
+def test_the_spans_join_every_request_with_its_timings(analysis_db: Path) -> None:
+    ((with_ttft, queued),) = _query(analysis_db, "SELECT count(ttft_ms), count(queue_ms) FROM request_ledger")
+    assert with_ttft == queued == 300
+    ((matched, missing, offset_ms),) = _query(analysis_db, "SELECT matched, missing, clock_offset_ms "
+                                                           "FROM request_sources")
+    # The engine stamps a span when the request reaches it, after the client sent it.
+    assert (matched, missing) == (300, 0) and 0 < offset_ms < 500
+
+
+def test_the_scraped_counters_reconcile_with_the_ledger(analysis_db: Path) -> None:
+    rows = _query(analysis_db, "SELECT replica, engine_queries_tokens, engine_hit_tokens, ledger_hit_tokens, "
+                               "difference_tokens FROM reconciliation")
+    assert rows == [("replica-a", 104_998, 63_744, 63_744, 0)]
