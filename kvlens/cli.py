@@ -314,10 +314,11 @@ def collect_group() -> None:
               help="Also append every frame received to FILE (kvlens import vllm-events reads it).")
 @click.option("--flush-seconds", type=float, default=5.0, show_default=True,
               help="Commit a segment (with its checkpoint) at least this often.")
+@click.option("--scenario", default="live", show_default=True, help="Scenario the events are written to.")
 def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, replica: str | None,
                      model: str | None, lake: str, duration: float | None, metrics_port: int | None,
                      metrics_addr: str, bind: bool, config: str | None, keep_tokens: bool,
-                     record: str | None, flush_seconds: float) -> None:
+                     record: str | None, flush_seconds: float, scenario: str) -> None:
     """Collect vLLM / SGLang KV-cache events over ZMQ into kv_events, with replay and checkpoints.
 
     Example: kvlens collect vllm --endpoint tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --lake lake
@@ -331,7 +332,7 @@ def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, repli
     sources = build_sources(endpoint=endpoint, replay=replay, topic=topic, replica=replica, model=model,
                             bind=bind, config=config)
     collector = LiveCollector(CollectorOptions(lake=lake, sources=sources, keep_tokens=keep_tokens,
-                                               record=record, flush_age_s=flush_seconds))
+                                               record=record, flush_age_s=flush_seconds, scenario=scenario))
     server = None
     if metrics_port is not None:
         server, _ = start_http_server(metrics_port, addr=metrics_addr, registry=collector.metrics.registry)
@@ -475,8 +476,9 @@ def _import_otlp(fmt: str, files: tuple[str, ...], lake: str, scenario: str, mod
 @click.option("--model", default=None, help="Model name for spans that carry none.")
 @click.option("--flush-seconds", type=float, default=5.0, show_default=True,
               help="Commit a segment at least this often.")
+@click.option("--scenario", default="live", show_default=True, help="Scenario the requests are written to.")
 def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_bytes: int,
-                     replica: str | None, model: str | None, flush_seconds: float) -> None:
+                     replica: str | None, model: str | None, flush_seconds: float, scenario: str) -> None:
     """Receive OTLP/HTTP traces (vLLM llm_request spans) into requests; GET /metrics on the same port.
 
     Example: kvlens collect otlp --listen 127.0.0.1:4318 --lake lake --duration 600
@@ -488,7 +490,8 @@ def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_by
 
     host, port = parse_listen(listen)
     receiver = OtlpReceiver(ReceiverOptions(lake=lake, host=host, port=port, replica=replica, model=model,
-                                            max_body_bytes=max_body_bytes, flush_age_s=flush_seconds))
+                                            max_body_bytes=max_body_bytes, flush_age_s=flush_seconds,
+                                            scenario=scenario))
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
