@@ -115,14 +115,10 @@ def sql_cmd(query: str, lake: str | None, db: str | None, fmt: str) -> None:
 
     Example: kvlens sql --lake lake "select scenario, count(*) from requests group by 1"
     """
-    from kvlens.query import connect, render, run_readonly
+    from kvlens.query import query as run_query
+    from kvlens.query import render
 
-    con = connect(lake=lake, db=db)
-    try:
-        columns, rows = run_readonly(con, query)
-    finally:
-        con.close()
-    click.echo(render(columns, rows, fmt), nl=False)
+    click.echo(render(*run_query(query, lake=lake, db=db), fmt), nl=False)
 
 
 @cli.command("schema")

@@ -19,7 +19,7 @@ import duckdb
 from kvlens.errors import ConfigError, KvlensError, ReadOnlyError
 from kvlens.lake import open_lake
 
-__all__ = ["connect", "render", "run_readonly"]
+__all__ = ["connect", "query", "render", "run_readonly"]
 
 _READ_STATEMENTS = {"SELECT", "EXPLAIN"}
 
@@ -62,6 +62,16 @@ def run_readonly(con: duckdb.DuckDBPyConnection, query: str,
     except duckdb.Error as e:
         raise KvlensError(f"query failed: {str(e).splitlines()[0]}") from None
     return [d[0] for d in cur.description or []], rows
+
+
+def query(sql: str, *, lake: str | Path | None = None, db: str | Path | None = None,
+          params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
+    """Open, run one reading statement, close: (column names, rows)."""
+    con = connect(lake=lake, db=db)
+    try:
+        return run_readonly(con, sql, params)
+    finally:
+        con.close()
 
 
 def _cell(value: Any) -> str:

@@ -18,11 +18,11 @@ import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-import duckdb
 import pytest
 from click.testing import CliRunner
 
 from kvlens.cli import cli
+from kvlens.query import query
 
 CAPTURE = Path(__file__).parent / "data" / "vllm-cpu-capture"
 
@@ -90,11 +90,7 @@ def analysis_db(tmp_path_factory: pytest.TempPathFactory, metrics_url: str) -> P
 
 
 def _query(db: Path, sql: str) -> list[tuple[object, ...]]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return query(sql, db=db)[1]
 
 
 def test_every_request_matches_the_engines_cached_tokens(analysis_db: Path) -> None:

@@ -13,14 +13,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import duckdb
 import pyarrow.parquet as pq
 import pytest
 
 import collector.importer as importer
 from collector.importer import DEFAULT_T0_NS, import_files
 from kvlens.errors import InputError
-from kvlens.lake import SegmentWriter, open_lake
+from kvlens.lake import SegmentWriter
+from kvlens.query import query
 from sample_data import MOONCAKE_CONVERSATION
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,12 +34,7 @@ BLOCK_COLS = ("request_id, scenario, arrival_ns, position, block_hash, content_h
 
 
 def _query(lake: Path, sql: str, params: list[object] | None = None) -> list[tuple[object, ...]]:
-    con = duckdb.connect()
-    try:
-        open_lake(con, lake)
-        return con.execute(sql, params or []).fetchall()
-    finally:
-        con.close()
+    return query(sql, lake=lake, params=params)[1]
 
 
 def _requests(lake: Path, scenario: str | None = None) -> list[tuple[object, ...]]:

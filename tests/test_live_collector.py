@@ -35,7 +35,8 @@ from collector.live import GAP_METRIC, CollectorOptions, LiveCollector, Source, 
 from collector.vllm_events import import_capture
 from kvlens.config import load_config
 from kvlens.errors import ConfigError
-from kvlens.lake import latest_checkpoint, open_lake
+from kvlens.lake import latest_checkpoint
+from kvlens.query import query
 
 REPO = Path(__file__).resolve().parents[1]
 U64 = (1 << 64) - 1
@@ -49,12 +50,7 @@ def ctx() -> Iterator[zmq.Context[Any]]:
 
 
 def _query(lake: Path, sql: str) -> list[tuple[Any, ...]]:
-    con = duckdb.connect()
-    try:
-        open_lake(con, lake)
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return query(sql, lake=lake)[1]
 
 
 def _wait(cond: Callable[[], bool], timeout_s: float = 15.0) -> None:

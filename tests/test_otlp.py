@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import msgspec
 import pytest
 from click.testing import CliRunner
@@ -19,7 +18,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from collector.otlp import OtlpDecodeError, import_otlp, parse_otlp_json, parse_otlp_protobuf
 from kvlens.cli import cli
 from kvlens.errors import InputError
-from kvlens.lake import open_lake
+from kvlens.query import query
 
 DATA = Path(__file__).resolve().parent / "data"
 BODIES = [DATA / "vllm-cpu-capture" / "otlp_000.pb", DATA / "vllm-cpu-capture" / "otlp_001.pb"]
@@ -205,12 +204,7 @@ def test_json_decoder_never_crashes_on_odd_shapes(doc: Any) -> None:
 
 
 def _query(lake: Path, sql: str) -> list[tuple[Any, ...]]:
-    con = duckdb.connect()
-    try:
-        open_lake(con, lake)
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return query(sql, lake=lake)[1]
 
 
 def _collector_file(path: Path, extra: list[str] | None = None) -> Path:

@@ -19,7 +19,6 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 from google.protobuf.json_format import MessageToDict
 from opentelemetry.exporter.otlp.proto.http import Compression
@@ -33,7 +32,8 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from collector.otlp import parse_otlp_protobuf
 from collector.otlp_server import OtlpReceiver, ReceiverOptions, inflate_bounded, parse_listen
 from kvlens.errors import ConfigError
-from kvlens.lake import open_lake, segment_files
+from kvlens.lake import segment_files
+from kvlens.query import query
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO / "tests" / "data"
@@ -43,12 +43,7 @@ T0_NS = 1_796_000_000_000_000_000
 
 
 def _query(lake: Path, sql: str) -> list[tuple[Any, ...]]:
-    con = duckdb.connect()
-    try:
-        open_lake(con, lake)
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return query(sql, lake=lake)[1]
 
 
 @pytest.fixture

@@ -34,6 +34,7 @@ import pytest
 
 from kvlens.cli import main as kvlens_main
 from kvlens.lake import open_lake
+from kvlens.query import query
 
 pytestmark = pytest.mark.integration
 
@@ -244,11 +245,7 @@ def kvlens_run(*args: str) -> int:
 
 
 def _query(db: Path, sql: str) -> list[tuple[Any, ...]]:
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
+    return query(sql, db=db)[1]
 
 
 def test_every_request_matches_the_live_engine(live_run: dict[str, Any]) -> None:
