@@ -33,3 +33,16 @@ def write_jsonl(tmp_path: Path) -> Callable[..., Path]:
 @pytest.fixture
 def mooncake3(write_jsonl: Callable[..., Path]) -> Path:
     return write_jsonl("trace.jsonl", MOONCAKE_LINES)
+
+
+@pytest.fixture(scope="session")
+def demo_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole demo pipeline (sample trace, three what-ifs, analysis DB), built once per session.
+
+    ``demo_workdir / "kvlens.duckdb"`` is the demo's analysis DB; ``demo_workdir / "lake"`` its lake.
+    """
+    from sample_data.demo import run_demo
+
+    workdir = tmp_path_factory.mktemp("demo")
+    run_demo(workdir)
+    return workdir
