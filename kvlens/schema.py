@@ -28,6 +28,7 @@ __all__ = [
     "Medium",
     "Outcome",
     "RoutingPolicy",
+    "Severity",
     "Table",
     "TransferStatus",
     "arrow_schema",
@@ -83,6 +84,14 @@ class RoutingPolicy(enum.StrEnum):
     SESSION_AFFINITY = "session_affinity"
     PREFIX_HASH = "prefix_hash"
     CACHE_AWARE = "cache_aware"
+
+
+class Severity(enum.StrEnum):
+    """How urgent an isolation finding is (isolation_findings.severity, stored as VARCHAR)."""
+
+    HIGH = "high"
+    MEDIUM = "medium"
+    LOW = "low"
 
 
 # DuckDB ENUM type name -> the StrEnum it mirrors.
@@ -187,6 +196,8 @@ REQUEST_BLOCKS = Table("request_blocks", "lake", "One row per block a request's 
     _c("position", "INTEGER", "block index in the prompt, from 0", "blocks"),
     _c("block_hash", "UBIGINT", "prefix-chained block key"),
     _c("content_hash", "UBIGINT", "chained hash of token content alone, when known"),
+    _c("token_hash", "UBIGINT", "hash of the block's own token ids alone, not chained; NULL unless token "
+       "ids were known (prompt hygiene)"),
     _c("block_tokens", "INTEGER", "tokens in the block; fewer than block_size_tokens for a partial tail",
        "tokens"),
     _c("block_size_tokens", "INTEGER", "the cache's block size; only full blocks can be reused", "tokens"),
@@ -323,6 +334,21 @@ FLOWS = Table("flows", "analysis", "Bytes read, written and copied per tier and 
     _c("write_bytes", "BIGINT", "bytes stored into the tier", "bytes"),
     _c("replica_bytes", "BIGINT", "bytes copied between replicas", "bytes"),
     _c("never_read_bytes", "BIGINT", "bytes written and removed without a read", "bytes"),
+    _c("read_unwritten_bytes", "BIGINT", "of read_bytes, reads of blocks with no store in the lake", "bytes"),
+    _c("unread_resident_bytes", "BIGINT", "bytes written, never read, still resident at the end", "bytes"),
+))
+
+FANOUT = Table("fanout", "analysis", "Per window: how many replicas needed, and pulled, the same prefix.", (
+    _SCENARIO,
+    _c("window_start_ns", "BIGINT", "start of the window (request arrivals)", "ns"),
+    _c("needed_blocks", "BIGINT", "distinct blocks needed in the window", "blocks"),
+    _c("shared_blocks", "BIGINT", "of them, needed by two replicas or more", "blocks"),
+    _c("fanout_max_replicas", "BIGINT", "most replicas that needed one block"),
+    _c("fanout_mean_replicas", "DOUBLE", "mean replicas per needed block"),
+    _c("duplicate_bytes", "BIGINT", "block bytes x (replicas that needed it - 1), summed", "bytes"),
+    _c("pulled_bytes", "BIGINT", "bytes loaded remotely (hit_remote)", "bytes"),
+    _c("pulled_max_replicas", "BIGINT", "most replicas that loaded one block remotely"),
+    _c("top_block_hash", "UBIGINT", "the block with the largest fan-out"),
 ))
 
 LATENCY_TAILS = Table("latency_tails", "analysis", "TTFT percentiles per replica, window and prefix class.", (
@@ -335,6 +361,8 @@ LATENCY_TAILS = Table("latency_tails", "analysis", "TTFT percentiles per replica
     _c("ttft_p99_ms", "DOUBLE", "TTFT 99th percentile", "ms"),
     _c("p99_p50_ratio", "DOUBLE", "tail ratio; flagged above 5", "ratio"),
     _c("queue_p50_ms", "DOUBLE", "queue time median", "ms"),
+    _c("flagged", "BOOLEAN", "p99_p50_ratio above 5"),
+    _c("queue_p99_ms", "DOUBLE", "queue time 99th percentile", "ms"),
 ))
 
 PREFIX_RANKING = Table("prefix_ranking", "analysis",
@@ -346,8 +374,47 @@ PREFIX_RANKING = Table("prefix_ranking", "analysis",
     _c("replicas", "BIGINT", "replicas that needed it"),
     _c("bytes", "BIGINT", "KV bytes of the prefix", "bytes"),
     _c("benefit_ms", "DOUBLE", "expected benefit of publishing", "ms"),
-    _c("recommendation", "VARCHAR", "publish / pin / keep local / do not publish"),
+    _c("recommendation", "VARCHAR", "publish to pool / pin / keep local / do not publish"),
     _c("reason", "VARCHAR", "the reason in words"),
+    _c("rank", "BIGINT", "1 for the largest expected benefit"),
+    _c("parent_hash", "UBIGINT", "tip of the parent prefix group; NULL when the prefix starts at the root"),
+    _c("segment_tokens", "BIGINT", "tokens the prefix adds to its parent group", "tokens"),
+    _c("segment_bytes", "BIGINT", "KV bytes the prefix adds to its parent group", "bytes"),
+    _c("requests", "BIGINT", "requests that needed the prefix"),
+    _c("miss_routing_tokens", "BIGINT", "segment tokens missed while another replica or the pool held them",
+       "tokens"),
+    _c("miss_evicted_tokens", "BIGINT", "segment tokens missed after an eviction", "tokens"),
+    _c("hit_remote_tokens", "BIGINT", "segment tokens already loaded remotely", "tokens"),
+    _c("miss_load_failed_tokens", "BIGINT", "segment tokens whose load failed", "tokens"),
+    _c("avoidable_miss_tokens", "BIGINT", "miss_routing + miss_evicted tokens of the segment", "tokens"),
+    _c("h_remote_ratio", "DOUBLE", "segment loads a publish would serve, per request", "ratio"),
+    _c("path", "VARCHAR", "load path priced: local_tier (one replica) or pool"),
+    _c("recompute_ms", "DOUBLE", "prefill one load of the segment saves (T_recompute)", "ms"),
+    _c("recompute_label", "VARCHAR", "measured (GPU probe) or modelled"),
+    _c("remote_ms", "DOUBLE", "one load of the segment (T_remote)", "ms"),
+    _c("remote_label", "VARCHAR", "measured (GPU probe) or modelled"),
+    _c("gross_ms", "DOUBLE", "requests x h_remote x (T_recompute - T_remote)", "ms"),
+    _c("stall_ms", "DOUBLE", "P_stall: failed loads x T_remote", "ms"),
+    _c("write_ms", "DOUBLE", "P_write: one publish of the segment", "ms"),
+    _c("eviction_ms", "DOUBLE", "P_eviction: content its bytes displace from a full pool", "ms"),
+    _c("first_arrival_ns", "BIGINT", "first request that needed it", "ns"),
+    _c("last_arrival_ns", "BIGINT", "last request that needed it", "ns"),
+))
+
+CROSSOVER = Table("crossover", "analysis",
+                  "Recompute against load per prefix length and load path, each figure labelled.", (
+    _SCENARIO,
+    _c("device", "VARCHAR", "device the figures describe (the probe's, or the configured model's)"),
+    _c("model", "VARCHAR", "model geometry"),
+    _c("prefix_tokens", "BIGINT", "prefix length", "tokens"),
+    _c("kv_bytes", "BIGINT", "KV bytes of the prefix", "bytes"),
+    _c("path", "VARCHAR", "load path: local_tier, peer, pool"),
+    _c("recompute_ms", "DOUBLE", "prefill of the prefix from scratch (T_recompute)", "ms"),
+    _c("recompute_label", "VARCHAR", "measured (fit to GPU probe prefill) or modelled (FLOPs)"),
+    _c("recompute_extrapolated", "BOOLEAN", "prefix length outside the probe's measured lengths"),
+    _c("load_ms", "DOUBLE", "T_lookup + T_queue + S/B_eff + T_stage + T_install", "ms"),
+    _c("load_label", "VARCHAR", "measured when every byte term came from the GPU probe, else modelled"),
+    _c("winner", "VARCHAR", "load or recompute"),
 ))
 
 HYGIENE = Table("hygiene", "analysis", "Requests whose chains split early before repeated content.", (
@@ -356,15 +423,29 @@ HYGIENE = Table("hygiene", "analysis", "Requests whose chains split early before
     _c("split_position", "INTEGER", "block index where the chain diverged", "blocks"),
     _c("lost_tokens", "BIGINT", "tokens reusable if the dynamic part moved to the end", "tokens"),
     _c("lost_bytes", "BIGINT", "their KV bytes", "bytes"),
+    _c("arrival_ns", "BIGINT", "the request's arrival", "ns"),
+    _c("lost_blocks", "BIGINT", "full blocks after the split whose content repeats", "blocks"),
+    _c("repeated_token_hash", "UBIGINT", "token hash of the first repeated block"),
+    _c("first_request_id", "VARCHAR", "earliest request carrying the repeated content after the same prefix: "
+       "names the offender group"),
+    _c("offender_rank", "BIGINT", "rank of the offender group by tokens lost (1 = most)"),
+    _c("offender_requests", "BIGINT", "requests in the offender group"),
+    _c("offender_lost_tokens", "BIGINT", "tokens the offender group loses", "tokens"),
 ))
 
 ISOLATION_FINDINGS = Table("isolation_findings", "analysis",
                            "Cross-tenant reuse and incompatible cache keys.", (
     _SCENARIO,
-    _c("finding", "VARCHAR", "cross_tenant_reuse, or incompatible_keys"),
-    _c("subject", "VARCHAR", "tenants, or replicas, involved"),
-    _c("blocks", "BIGINT", "blocks involved", "blocks"),
-    _c("detail", "VARCHAR", "the finding in words"),
+    _c("finding", "VARCHAR", "cross_tenant_reuse, cross_tenant_keys, cross_salt_keys, incompatible_keys, "
+       "same_content_different_keys, block_size_mismatch, engine_block_size_mismatch"),
+    _c("subject", "VARCHAR", "tenants, replicas or namespaces involved"),
+    _c("blocks", "BIGINT", "blocks (or block keys) involved", "blocks"),
+    _c("detail", "VARCHAR", "the finding in words, with numbers"),
+    _c("severity", "VARCHAR", "high, medium or low (kvlens.schema.Severity)"),
+    _c("tokens", "BIGINT", "tokens of the blocks involved, when the finding is about needed blocks",
+       "tokens"),
+    _c("bytes", "BIGINT", "their KV bytes", "bytes"),
+    _c("requests", "BIGINT", "requests involved, when known"),
 ))
 
 CAPACITY = Table("capacity", "analysis",
@@ -402,8 +483,22 @@ TTL_COVERAGE = Table("ttl_coverage", "analysis",
 WARMUP = Table("warmup", "analysis", "Time to a steady hit ratio for each new replica.", (
     *_OUTCOME_KEY,
     _c("first_request_ns", "BIGINT", "first request served", "ns"),
-    _c("steady_after_ns", "BIGINT", "time until the hit ratio reached the fleet's steady level", "ns"),
+    _c("steady_after_ns", "BIGINT",
+       "time from the start until the hit ratio reached the fleet's steady level; NULL if never", "ns"),
     _c("prewarm_bytes", "BIGINT", "bytes a pre-warm of the hot prefixes would move", "bytes"),
+    _c("start_ns", "BIGINT", "the start: first request or event, or a cleared event", "ns"),
+    _c("start_kind", "VARCHAR", "first_seen or cleared"),
+    _c("fleet_hit_ratio", "DOUBLE", "steady level: fleet hit over full-block tokens, second half",
+       "ratio"),
+    _c("warmup_requests", "BIGINT", "requests before steady (all of the start's when never steady)"),
+    _c("warmup_recomputed_tokens", "BIGINT", "tokens recomputed in warm-up beyond the steady level",
+       "tokens"),
+    _c("prewarm_blocks", "BIGINT", "blocks of the top-k hot prefixes", "blocks"),
+    _c("prewarm_prefixes", "BIGINT", "prefix chains among them"),
+    _c("concurrent_starts", "BIGINT", "N: replica starts within the pre-warm window of this one"),
+    _c("prewarm_bandwidth_bytes_per_s", "DOUBLE", "N x prewarm_bytes / pre-warm window (N·W/Δt)", "bytes/s"),
+    _c("saved_tokens", "BIGINT", "warm-up miss tokens the pre-warm would have turned into hits", "tokens"),
+    _c("saved_ms", "DOUBLE", "their prefill time at the scenario's measured ms per recomputed token", "ms"),
 ))
 
 RECONCILIATION = Table("reconciliation", "analysis",
@@ -431,7 +526,8 @@ RECONCILIATION = Table("reconciliation", "analysis",
 LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
     SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REQUEST_SOURCES, REUSE, MRC, CAPACITY,
-    TTL_COVERAGE, FLOWS, LATENCY_TAILS, PREFIX_RANKING, HYGIENE, ISOLATION_FINDINGS, WARMUP, RECONCILIATION,
+    TTL_COVERAGE, FLOWS, FANOUT, LATENCY_TAILS, PREFIX_RANKING, CROSSOVER, HYGIENE, ISOLATION_FINDINGS,
+    WARMUP, RECONCILIATION,
 )
 TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}
 

@@ -35,7 +35,8 @@ def test_design_tables_are_all_declared() -> None:
         "kv_events", "requests", "request_blocks", "transfers", "metric_samples", "probe_runs"}
     assert {t.name for t in ANALYSIS_TABLES} == {
         "scenarios", "block_outcomes", "miss_ledger", "request_ledger", "request_sources", "reuse",
-        "mrc", "capacity", "ttl_coverage", "flows", "latency_tails", "prefix_ranking", "hygiene",
+        "mrc", "capacity", "ttl_coverage", "flows", "fanout", "latency_tails", "prefix_ranking", "crossover",
+        "hygiene",
         "isolation_findings", "warmup", "reconciliation",
     }
 

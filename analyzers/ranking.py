@@ -1,0 +1,194 @@
+"""Analyzers: the publish ranking: which shared prefixes are worth publishing, pinning or keeping local.
+
+A **prefix group** is a maximal shared chain. Block hashes are prefix-chained, so the blocks
+of a scenario form a trie, each block needed by ``n`` requests (its count). Along a request's
+chain counts never grow, and a child with its parent's count has its parent's requests. A
+group's **tip** is a block needed by two or more requests none of whose children is needed by
+all of them: the deepest block a set of requests shares. The group's **segment** is the run
+of blocks above the tip with the tip's count: the blocks that group adds to its parent group
+(the tip of the run before it). Segments tile the shared part of the trie, so sums over groups
+never count a block access twice. The prefix itself is the whole chain from the root to the tip
+(``prefix_tokens``, ``bytes``); its benefit is the segment's, given the parent is handled.
+
+Per group, over the scenario (DESIGN.md section 1, question 5)::
+
+    loads       = (miss_routing + miss_evicted + hit_remote tokens of the segment) / segment tokens
+    h_remote    = loads / requests
+    E[benefit]  = requests·h_remote·(T_recompute − T_remote) − P_stall − P_write − P_eviction
+
+``T_recompute`` is the prefill the segment costs after its parent (cost model, without a
+call's fixed cost), ``T_remote`` its load via the local lower tier (a group needed on one
+replica) or the shared pool (several replicas). ``P_stall``: loads that failed
+(``miss_load_failed``) waited a ``T_remote`` for nothing. ``P_write``: one publish of the
+segment. ``P_eviction``: what the segment's bytes push out of a pool of the device's
+``pool_capacity_bytes`` once the demand ``D`` (segment bytes of every group worth loading)
+exceeds it: ``bytes · (V/D) · max(0, 1 − C/D)``, ``V`` the gross benefit of that demand.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import polars as pl
+
+from analyzers.costs import CostModel, LoadPath
+
+__all__ = ["prefix_ranking"]
+
+TOP_N = 200
+
+_MISS_CAUSES = ("miss_routing", "miss_evicted", "hit_remote", "miss_load_failed")
+
+PUBLISH, PIN, KEEP_LOCAL, DO_NOT = "publish to pool", "pin", "keep local", "do not publish"
+
+
+def _segments(outcomes: pl.DataFrame) -> pl.DataFrame:
+    """Each shared block access with its group's tip, parent tip, and chain totals."""
+    df = outcomes.sort("request_id", "position").with_columns(
+        pl.len().over("block_hash").alias("n"),
+        pl.col("tokens").cum_sum().over("request_id").alias("cum_tokens"),
+        pl.col("bytes").cum_sum().over("request_id").alias("cum_bytes"),
+    )
+    brk = ((pl.col("n") != pl.col("n").shift(1)) | (pl.col("position") != pl.col("position").shift(1) + 1))
+    df = df.with_columns(brk.fill_null(True).cum_sum().over("request_id").alias("run"))
+    df = df.with_columns(
+        pl.col("block_hash").last().over("request_id", "run").alias("tip"),
+        (pl.col("cum_tokens") - pl.col("tokens")).first().over("request_id", "run").alias("start_tokens"),
+        (pl.col("cum_bytes") - pl.col("bytes")).first().over("request_id", "run").alias("start_bytes"),
+    )
+    runs = df.group_by("request_id", "run").agg(pl.col("tip").first(), pl.col("n").first()).sort(
+        "request_id", "run")
+    runs = runs.with_columns(pl.col("tip").shift(1).over("request_id").alias("parent_hash"))
+    df = df.join(runs.select("request_id", "run", "parent_hash"), on=["request_id", "run"])
+    return df.filter(pl.col("n") >= 2)
+
+
+def _groups(shared: pl.DataFrame) -> pl.DataFrame:
+    tokens_of = {c: pl.col("tokens").filter(pl.col("outcome") == c).sum().alias(f"{c}_tokens")
+                 for c in _MISS_CAUSES}
+    return shared.group_by("tip").agg(
+        pl.col("n").first().alias("requests"),
+        pl.col("replica").n_unique().alias("replicas"),
+        pl.col("cum_tokens").max().alias("prefix_tokens"),
+        pl.col("cum_bytes").max().alias("bytes"),
+        pl.col("start_tokens").max(), pl.col("start_bytes").max(),
+        pl.col("parent_hash").first(),
+        pl.col("arrival_ns").min().alias("first_arrival_ns"),
+        pl.col("arrival_ns").max().alias("last_arrival_ns"),
+        *tokens_of.values(),
+    ).rename({"tip": "prefix_hash"}).with_columns(
+        (pl.col("prefix_tokens") - pl.col("start_tokens")).alias("segment_tokens"),
+        (pl.col("bytes") - pl.col("start_bytes")).alias("segment_bytes"),
+        (pl.col("miss_routing_tokens") + pl.col("miss_evicted_tokens")).alias("avoidable_miss_tokens"),
+    )
+
+
+Group = dict[str, Any]
+
+
+def _i(g: Group, key: str) -> int:
+    return int(g[key])
+
+
+def _f(g: Group, key: str) -> float:
+    return float(g[key])
+
+
+def _terms(g: Group, costs: CostModel) -> Group:
+    """Per group: the path, per-load figures and the gross benefit (before displacement)."""
+    seg_tokens, seg_bytes = _i(g, "segment_tokens"), _i(g, "segment_bytes")
+    path = LoadPath.LOCAL_TIER if g["replicas"] == 1 else LoadPath.POOL
+    saved, rec_label = costs.saved_recompute_ms(seg_tokens, _i(g, "start_tokens"))
+    remote, remote_label = costs.remote_ms(seg_bytes, path)
+    served = _i(g, "miss_routing_tokens") + _i(g, "miss_evicted_tokens") + _i(g, "hit_remote_tokens")
+    loads = served / seg_tokens
+    write, _ = costs.write_ms(seg_bytes, path)
+    return {"path": str(path), "recompute_ms": saved, "recompute_label": str(rec_label),
+            "remote_ms": remote, "remote_label": str(remote_label),
+            "h_remote_ratio": loads / _i(g, "requests"),
+            "gross_ms": loads * (saved - remote),
+            "stall_ms": _i(g, "miss_load_failed_tokens") / seg_tokens * remote, "write_ms": write}
+
+
+def _eviction(groups: list[Group], capacity_bytes: int) -> None:
+    """P_eviction: a segment displaces its bytes of average-value content once the pool is full.
+
+    Demand is the segment bytes of every group worth loading at all (gross > 0); the share of
+    it that cannot fit, ``1 − C/D``, is what a new segment's bytes push out, each byte worth
+    the average ``V/D`` of that demand.
+    """
+    worth = [g for g in groups if _f(g, "gross_ms") > 0]
+    demand = sum(_i(g, "segment_bytes") for g in worth)
+    value = sum(_f(g, "gross_ms") for g in worth)
+    per_byte = value / demand * max(0.0, 1.0 - capacity_bytes / demand) if demand else 0.0
+    for g in groups:
+        g["eviction_ms"] = per_byte * _i(g, "segment_bytes")
+        g["benefit_ms"] = _f(g, "gross_ms") - _f(g, "stall_ms") - _f(g, "write_ms") - g["eviction_ms"]
+
+
+def _recommend(r: Group) -> tuple[str, str]:
+    """The recommendation and its reason in words, numbers included."""
+    benefit, gain = _f(r, "benefit_ms"), _f(r, "recompute_ms") - _f(r, "remote_ms")
+    size = (f"{_i(r, 'segment_tokens'):,} tokens ({_i(r, 'segment_bytes') / 1e6:,.0f} MB) beyond "
+            f"{'the root' if r['parent_hash'] is None else 'its parent prefix'}")
+    served = (f"{_i(r, 'requests')} requests on {_i(r, 'replicas')} replica(s) need it; "
+              f"{_i(r, 'avoidable_miss_tokens'):,} of their tokens were miss_routing/miss_evicted "
+              f"(h_remote {_f(r, 'h_remote_ratio'):.2f})")
+    per_load = (f"a load via {r['path']} takes {_f(r, 'remote_ms'):,.1f} ms ({r['remote_label']}) against "
+                f"{_f(r, 'recompute_ms'):,.1f} ms of prefill ({r['recompute_label']})")
+    if benefit <= 0:
+        why = ("no access missed it for a reason a publish fixes" if _f(r, "h_remote_ratio") == 0 else
+               "loading is no faster than recomputing" if gain <= 0 else
+               f"the {_f(r, 'gross_ms'):,.1f} ms saved do not cover write {_f(r, 'write_ms'):,.1f} ms, "
+               f"stall {_f(r, 'stall_ms'):,.1f} ms and eviction {_f(r, 'eviction_ms'):,.1f} ms")
+        return DO_NOT, f"{size}: {served}; {per_load}; {why}."
+    if r["replicas"] == 1:
+        rec, how = KEEP_LOCAL, "only one replica needs it, so its own lower tier is enough"
+    elif _i(r, "miss_evicted_tokens") > _i(r, "miss_routing_tokens"):
+        rec, how = PIN, "most of its misses were evictions, so publishing alone would lose it again"
+    else:
+        rec, how = PUBLISH, "other replicas held it when it missed"
+    return rec, f"{size}: {served}; {per_load}; expected benefit {benefit:,.1f} ms; {how}."
+
+
+def prefix_ranking(*, block_outcomes: pl.DataFrame, costs: CostModel, scenario: str,
+                   top_n: int = TOP_N) -> pl.DataFrame:
+    """The ``top_n`` prefix groups of ``scenario`` by expected benefit of publishing.
+
+    Columns: scenario, rank, prefix_hash (tip), parent_hash (the parent group's tip, NULL at
+    the root), prefix_tokens, bytes (KV of the whole chain), segment_tokens, segment_bytes
+    (what it adds to its parent), requests, reuses (requests − 1), replicas,
+    miss_routing_tokens, miss_evicted_tokens, hit_remote_tokens, miss_load_failed_tokens,
+    avoidable_miss_tokens (routing + evicted), h_remote_ratio, path (local_tier or pool),
+    recompute_ms and remote_ms (per load of the segment, each with its _label), gross_ms,
+    stall_ms, write_ms, eviction_ms, benefit_ms, recommendation (publish to pool / pin /
+    keep local / do not publish: only positive benefit is recommended), reason,
+    first_arrival_ns, last_arrival_ns. Sorted by benefit, best first (rank 1).
+    """
+    rows = block_outcomes.filter(pl.col("scenario") == scenario) if "scenario" in block_outcomes.columns \
+        else block_outcomes
+    rows = rows.select("request_id", "replica", "arrival_ns", "position", "block_hash",
+                       pl.col("outcome").cast(pl.String), "tokens", "bytes")
+    groups = _groups(_segments(rows)).filter(pl.col("segment_tokens") > 0).to_dicts()
+    for g in groups:
+        g.update(_terms(g, costs))
+    _eviction(groups, costs.device.pool_capacity_bytes)
+    groups.sort(key=lambda g: (-_f(g, "benefit_ms"), _i(g, "prefix_hash")))
+    top = groups[:top_n]
+    for i, g in enumerate(top, 1):
+        g["rank"], g["scenario"], g["reuses"] = i, scenario, int(g["requests"]) - 1
+        g["recommendation"], g["reason"] = _recommend(g)
+    return pl.DataFrame(top, schema=_SCHEMA) if top else pl.DataFrame(schema=_SCHEMA)
+
+
+_SCHEMA = {
+    "scenario": pl.String, "rank": pl.Int64, "prefix_hash": pl.UInt64, "parent_hash": pl.UInt64,
+    "prefix_tokens": pl.Int64, "bytes": pl.Int64, "segment_tokens": pl.Int64, "segment_bytes": pl.Int64,
+    "requests": pl.Int64, "reuses": pl.Int64, "replicas": pl.Int64, "miss_routing_tokens": pl.Int64,
+    "miss_evicted_tokens": pl.Int64, "hit_remote_tokens": pl.Int64, "miss_load_failed_tokens": pl.Int64,
+    "avoidable_miss_tokens": pl.Int64, "h_remote_ratio": pl.Float64, "path": pl.String,
+    "recompute_ms": pl.Float64, "recompute_label": pl.String, "remote_ms": pl.Float64,
+    "remote_label": pl.String, "gross_ms": pl.Float64, "stall_ms": pl.Float64, "write_ms": pl.Float64,
+    "eviction_ms": pl.Float64, "benefit_ms": pl.Float64, "recommendation": pl.String, "reason": pl.String,
+    "first_arrival_ns": pl.Int64, "last_arrival_ns": pl.Int64,
+}
