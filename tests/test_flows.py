@@ -1,0 +1,185 @@
+"""Byte flows and fan-out: a hand-built lake where every byte's place is known, and the demo."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from analyzers.fanout import fanout
+from analyzers.flows import flows
+
+PER_TOKEN = 10
+BLOCK = 2  # tokens, so 20 bytes a block
+A, B, C, D, E, F = 1, 2, 3, 4, 5, 6
+
+
+def _ev(ts: int, replica: str, kind: str, block: int | None, medium: str | None) -> dict[str, object]:
+    return {"scenario": "s", "ts_ns": ts, "seq": ts, "replica": replica, "kind": kind, "block_hash": block,
+            "medium": medium, "block_tokens": None if block is None else BLOCK}
+
+
+def _hit(rid: str, replica: str, arrival: int, block: int, outcome: str) -> dict[str, object]:
+    return {"scenario": "s", "request_id": rid, "replica": replica, "arrival_ns": arrival, "position": 0,
+            "block_hash": block, "outcome": outcome, "tokens": BLOCK, "bytes": BLOCK * PER_TOKEN}
+
+
+@pytest.fixture
+def lake() -> duckdb.DuckDBPyConnection:
+    con = duckdb.connect()
+    events = pl.DataFrame([
+        _ev(0, "r0", "stored", A, "gpu"),
+        _ev(0, "r0", "stored", B, "gpu"),
+        _ev(0, "r0", "stored", F, "gpu"),     # never read, never removed: unread, resident
+        _ev(0, "r0", "stored", D, "cpu"),
+        _ev(5, "pool", "stored", A, "pool"),
+        _ev(10, "r1", "stored", C, "gpu"),
+        _ev(50, "r1", "cleared", None, None),  # clears C unread
+        _ev(100, "r0", "removed", B, "gpu"),   # B evicted unread
+    ], schema_overrides={"block_hash": pl.UInt64, "block_tokens": pl.Int32, "seq": pl.UInt64})
+    transfers = pl.DataFrame([
+        {"scenario": "s", "request_id": "q2", "ts_ns": 30, "replica": "r1", "origin": "pool", "block_hash": A,
+         "blocks": 1, "bytes": 20, "duration_ms": 1.0, "status": "ok"},
+    ], schema_overrides={"block_hash": pl.UInt64})
+    con.register("kv_events", events)
+    con.register("transfers", transfers)
+    return con
+
+
+def _outcomes() -> pl.DataFrame:
+    return pl.DataFrame([
+        _hit("q1", "r0", 10, A, "hit_local"),
+        _hit("q1", "r0", 10, D, "hit_offload"),
+        _hit("q2", "r1", 30, A, "hit_remote"),
+        _hit("q3", "r1", 150, E, "hit_local"),     # no store of E anywhere in the lake
+        _hit("q3", "r1", 150, C, "miss_evicted"),  # not a read
+    ], schema_overrides={"block_hash": pl.UInt64})
+
+
+def _ledger() -> pl.DataFrame:
+    return pl.DataFrame({"request_id": ["q1", "q2", "q3"], "arrival_ns": [10, 30, 150],
+                         "queue_ms": [0.0, 0.0, None]})
+
+
+def _flows(con: duckdb.DuckDBPyConnection) -> pl.DataFrame:
+    return flows(block_outcomes=_outcomes(), request_ledger=_ledger(), kv_events=con.table("kv_events"),
+                 transfers=con.table("transfers"), scenario="s", bytes_per_token=PER_TOKEN, window_ns=100)
+
+
+def test_every_byte_lands_in_its_row(lake: duckdb.DuckDBPyConnection) -> None:
+    out = _flows(lake)
+    got = {(r["replica"], r["window_start_ns"], r["tier"]): (
+        r["read_bytes"], r["write_bytes"], r["replica_bytes"], r["never_read_bytes"],
+        r["read_unwritten_bytes"], r["unread_resident_bytes"]) for r in out.iter_rows(named=True)}
+    #        read write copy never unwritten resident
+    assert got == {
+        ("pool", 0, "pool"): (20, 20, 0, 0, 0, 0),
+        ("r0", 0, "gpu"): (20, 60, 0, 20, 0, 20),
+        ("r0", 0, "cpu"): (20, 20, 0, 0, 0, 0),
+        ("r1", 0, "gpu"): (0, 20, 20, 20, 0, 0),
+        ("r1", 100, "gpu"): (20, 0, 0, 0, 20, 0),
+    }
+    assert out["scenario"].unique().to_list() == ["s"]
+
+
+def test_flows_conserve_bytes(lake: duckdb.DuckDBPyConnection) -> None:
+    out = _flows(lake)
+    hits = _outcomes().filter(pl.col("outcome").str.starts_with("hit_"))
+    assert out["read_bytes"].sum() == hits["bytes"].sum() == 80
+    # What is read was written, except the one read the lake never saw stored, which is named.
+    assert out["read_unwritten_bytes"].sum() == 20
+    assert (out["never_read_bytes"] + out["unread_resident_bytes"] <= out["write_bytes"]).all()
+    # The pool's one remote read is the one copy into r1.
+    assert out["replica_bytes"].sum() == out.filter(pl.col("tier") == "pool")["read_bytes"].sum()
+
+
+def test_a_read_before_the_store_matches_the_later_store(lake: duckdb.DuckDBPyConnection) -> None:
+    # The simulator's shared pool can be written by a request that starts after the reader.
+    early = _outcomes().with_columns(
+        arrival_ns=pl.when(pl.col("request_id") == "q2").then(2).otherwise(pl.col("arrival_ns")))
+    ledger = _ledger().with_columns(arrival_ns=pl.Series([10, 2, 150]))
+    out = flows(block_outcomes=early, request_ledger=ledger, kv_events=lake.table("kv_events"),
+                transfers=lake.table("transfers"), scenario="s", bytes_per_token=PER_TOKEN, window_ns=100)
+    pool = out.filter(pl.col("replica") == "pool").row(0, named=True)
+    assert (pool["read_bytes"], pool["read_unwritten_bytes"], pool["unread_resident_bytes"]) == (20, 0, 0)
+
+
+def test_fanout_counts_replicas_per_block_and_window() -> None:
+    rows = [_hit(f"q{i}", rep, t, blk, out) for i, (rep, t, blk, out) in enumerate([
+        ("r0", 0, A, "hit_local"), ("r1", 10, A, "hit_remote"), ("r2", 20, A, "hit_remote"),
+        ("r0", 30, B, "miss_cold"), ("r0", 40, B, "hit_local"), ("r1", 150, A, "hit_local")])]
+    out = fanout(block_outcomes=pl.DataFrame(rows, schema_overrides={"block_hash": pl.UInt64}), window_ns=100)
+    first, second = out.row(0, named=True), out.row(1, named=True)
+    assert (first["window_start_ns"], first["needed_blocks"], first["shared_blocks"]) == (0, 2, 1)
+    assert (first["fanout_max_replicas"], first["fanout_mean_replicas"]) == (3, 2.0)
+    assert first["duplicate_bytes"] == 2 * 20
+    assert (first["pulled_bytes"], first["pulled_max_replicas"], first["top_block_hash"]) == (40, 2, A)
+    assert (second["window_start_ns"], second["fanout_max_replicas"], second["pulled_bytes"]) == (100, 1, 0)
+
+
+def test_demo_flows_read_what_the_ledger_hit(demo_workdir: Path) -> None:
+    con = duckdb.connect(str(demo_workdir / "kvlens.duckdb"), read_only=True)
+    hit = dict(con.execute("SELECT scenario, sum(bytes) FROM block_outcomes WHERE outcome IN "
+                           "('hit_local', 'hit_offload', 'hit_remote') GROUP BY 1").fetchall())
+    read = dict(con.execute("SELECT scenario, sum(read_bytes) FROM flows GROUP BY 1").fetchall())
+    assert hit and read == hit
+    ((unwritten, over, never, written),) = con.execute(
+        "SELECT sum(read_unwritten_bytes), count(*) FILTER (WHERE never_read_bytes > write_bytes), "
+        "sum(never_read_bytes), sum(write_bytes) FROM flows").fetchall()
+    assert (unwritten, over) == (0, 0)
+    assert 0 < never < written
+    # Fan-out: the shared system prompt reaches every replica in every window.
+    ((most,),) = con.execute("SELECT min(fanout_max_replicas) FROM fanout WHERE scenario = 'rr8'").fetchall()
+    ((replicas,),) = con.execute("SELECT count(DISTINCT replica) FROM request_ledger "
+                                 "WHERE scenario = 'rr8'").fetchall()
+    assert most == replicas > 1
+
+
+_OPS = st.lists(st.tuples(st.sampled_from(["r0", "r1"]), st.integers(1, 3), st.booleans()), max_size=30)
+
+
+@settings(max_examples=40, deadline=None)
+@given(ops=_OPS)
+def test_flows_match_a_residency_oracle(ops: list[tuple[str, int, bool]]) -> None:
+    """Stores and removals toggle residency; a look-up (odd times) of a resident block is a hit."""
+    resident: dict[tuple[str, int], int] = {}  # -> index of the open store
+    reads_per_store: list[int] = []
+    ended: list[bool] = []
+    events, hits = [], []
+    for i, (rep, block, lookup) in enumerate(ops):
+        t = 2 * i
+        if lookup:
+            if (rep, block) in resident:
+                reads_per_store[resident[(rep, block)]] += 1
+                hits.append(_hit(f"q{i}", rep, t + 1, block, "hit_local"))
+        elif (rep, block) in resident:
+            ended[resident.pop((rep, block))] = True
+            events.append(_ev(t, rep, "removed", block, "gpu"))
+        else:
+            resident[(rep, block)] = len(reads_per_store)
+            reads_per_store.append(0)
+            ended.append(False)
+            events.append(_ev(t, rep, "stored", block, "gpu"))
+    con = duckdb.connect()
+    con.register("kv_events", pl.DataFrame(events or [_ev(0, "r0", "cleared", None, None)], schema_overrides={
+        "block_hash": pl.UInt64, "block_tokens": pl.Int32, "seq": pl.UInt64, "medium": pl.Utf8}))
+    no_transfers = {"scenario": pl.Utf8, "ts_ns": pl.Int64, "request_id": pl.Utf8, "replica": pl.Utf8,
+                    "origin": pl.Utf8, "block_hash": pl.UInt64, "bytes": pl.Int64, "status": pl.Utf8}
+    con.register("transfers", pl.DataFrame(schema=no_transfers))
+    outcomes = pl.DataFrame(hits, schema=_outcomes().schema)
+    ledger = outcomes.select("request_id", "arrival_ns", queue_ms=pl.lit(0.0))
+    out = flows(block_outcomes=outcomes, request_ledger=ledger, kv_events=con.table("kv_events"),
+                transfers=con.table("transfers"), scenario="s", bytes_per_token=PER_TOKEN, window_ns=7)
+    per_block = BLOCK * PER_TOKEN
+    assert out["read_bytes"].sum() == len(hits) * per_block
+    assert out["read_unwritten_bytes"].sum() == 0
+    assert out["write_bytes"].sum() == len(reads_per_store) * per_block
+    never = sum(1 for n, e in zip(reads_per_store, ended, strict=True) if n == 0 and e)
+    still = sum(1 for n, e in zip(reads_per_store, ended, strict=True) if n == 0 and not e)
+    assert out["never_read_bytes"].sum() == never * per_block
+    assert out["unread_resident_bytes"].sum() == still * per_block
+    assert (out["never_read_bytes"] + out["unread_resident_bytes"] <= out["write_bytes"]).all()
