@@ -16,7 +16,8 @@ One JSON object per line (README, "Gateway log format"):
   ``hash_algo`` (``sha256``, the engine default, or ``sha256_cbor``), ``hash_seed`` (the
   engine's PYTHONHASHSEED; default vLLM's fixed seed), ``cache_salt``, ``lora_name`` and
   ``lora_path`` from the line when given. With ``token_ids``, ``content_hash`` is set too
-  (kvlens's token-content chain, the one the event collector writes).
+  (kvlens's token-content chain, the one the event collector writes), and ``token_hash``
+  (each full block's own token ids, not chained: for the prompt-hygiene analysis).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ def _arrival_ns(rec: dict[str, Any]) -> int:
         raise FieldError("arrival", f"not an RFC 3339 time with a zone: {e}") from None
 
 
-def _token_blocks(rec: dict[str, Any], block: int, prompt: int) -> tuple[list[int] | None, list[int | None]]:
-    """(vLLM block hashes when the line has no block_hashes, content hashes) from token_ids."""
-    from collector.hashing import ALGOS, content_hashes, vllm_block_hashes
+def _token_blocks(rec: dict[str, Any], block: int,
+                  prompt: int) -> tuple[list[int] | None, list[int | None], list[int | None]]:
+    """(vLLM block hashes when the line has no block_hashes, content hashes, token hashes)
+    from token_ids."""
+    from collector.hashing import ALGOS, content_hashes, token_hashes, vllm_block_hashes
 
     tokens = rec.get("token_ids")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**32 for t in tokens):
@@ -65,15 +68,16 @@ def _token_blocks(rec: dict[str, Any], block: int, prompt: int) -> tuple[list[in
     if len(tokens) != prompt:
         raise FieldError("token_ids", f"{len(tokens)} token ids for {prompt} prompt tokens")
     contents: list[int | None] = list(content_hashes(tokens, block) or [])
+    own: list[int | None] = list(token_hashes(tokens, block) or [])
     if "block_hashes" in rec:
-        return None, contents
+        return None, contents, own
     algo = opt_str(rec, "hash_algo") or "sha256"
     if algo not in ALGOS:
         raise FieldError("hash_algo", f"{algo!r} is not one of {', '.join(ALGOS)}")
     hashed = vllm_block_hashes(tokens, block, algo=algo, seed=opt_str(rec, "hash_seed"),
                                cache_salt=opt_str(rec, "cache_salt"), lora_name=opt_str(rec, "lora_name"),
                                lora_path=opt_str(rec, "lora_path"))
-    return [b.value for b in hashed], contents
+    return [b.value for b in hashed], contents, own
 
 
 def _opt_number(rec: dict[str, Any], key: str) -> float | None:
@@ -91,7 +95,8 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
         block = need_int(rec, "block_size", minimum=1) if "block_size" in rec else DEFAULT_BLOCK_TOKENS
         if "block_hashes" not in rec and "token_ids" not in rec:
             raise FieldError("block_hashes", "missing: give the prompt's block hashes or its token_ids")
-        from_tokens, contents = _token_blocks(rec, block, prompt) if "token_ids" in rec else (None, [])
+        from_tokens, contents, own = (_token_blocks(rec, block, prompt) if "token_ids" in rec
+                                      else (None, [], []))
         hashes = from_tokens if from_tokens is not None else need_hashes(rec, "block_hashes")
         row_model = opt_str(rec, "model") or model
         return Parsed(
@@ -115,6 +120,7 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
             else None,
             block_size_tokens=block,
             namespace=opt_str(rec, "namespace") or row_model,
+            token_hashes=(own + [None] * len(hashes))[:len(hashes)] if own else None,
         )
 
     return parse

@@ -19,6 +19,11 @@ the splitmix64 finalizer (a full 64-bit avalanche per token), then the block len
 cryptographic (nothing here is a secret); compiled, since the live collector runs it for every
 stored block. Engine events and gateway logs both use it, so the same text under another
 cache key still joins.
+
+``token_hashes`` is the same per-block hash NOT chained: every block starts from root parent
+0, so a block's value depends on its own token ids alone (equal to ``content_hashes`` of that
+block as a root). After an early divergence every later ``content_hash`` differs, but a
+repeated block's ``token_hash`` does not: the prompt-hygiene analysis needs that.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ __all__ = [
     "event_hash",
     "hash_function",
     "none_hash",
+    "token_hashes",
     "vllm_block_hashes",
 ]
 
@@ -143,6 +149,37 @@ def _content_chain(tokens: np.ndarray, block_size: int, parent: np.uint64) -> np
         h = _splitmix(x ^ np.uint64(block_size))
         out[b] = h
     return out
+
+
+@numba.njit(cache=True)
+def _token_blocks(tokens: np.ndarray, block_size: int) -> np.ndarray:
+    n = tokens.shape[0] // block_size
+    out = np.empty(n, np.uint64)
+    root = _splitmix(np.uint64(0x9E3779B97F4A7C15))  # the chain's first step with parent 0
+    for b in range(n):
+        x = root
+        for i in range(b * block_size, (b + 1) * block_size):
+            x = _splitmix(x ^ np.uint64(tokens[i]))
+        out[b] = _splitmix(x ^ np.uint64(block_size))
+    return out
+
+
+def _uint32_tokens(token_ids: Sequence[int]) -> np.ndarray | None:
+    try:
+        return np.frombuffer(array("I", token_ids), dtype=np.uint32)
+    except (OverflowError, TypeError):
+        return None
+
+
+def token_hashes(token_ids: Sequence[int], block_size: int) -> list[int] | None:
+    """One uint64 per full block over that block's token ids alone (not chained); None for
+    ids that do not fit uint32. A block's value equals ``content_hashes`` of it as a root."""
+    tokens = _uint32_tokens(token_ids)
+    if tokens is None:
+        return None
+    if block_size < 1 or len(tokens) < block_size:
+        return []
+    return _token_blocks(tokens, block_size).tolist()
 
 
 def content_hashes(token_ids: Sequence[int], block_size: int, parent: int = 0) -> list[int] | None:

@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 # 2025-01-01T00:00:00Z, fixed so that re-imports and reports are reproducible.
 DEFAULT_T0_NS = 1_735_689_600 * 1_000_000_000
 _BATCH_REQUESTS = 20_000
-_BLOCK_COLUMNS = ("position", "block_hash", "content_hash", "block_tokens", "block_size_tokens")
+_BLOCK_COLUMNS = ("position", "block_hash", "content_hash", "token_hash", "block_tokens",
+                  "block_size_tokens")
 
 
 class FieldError(ValueError):
@@ -57,6 +58,7 @@ class Parsed:
     block_size_tokens: int
     content_hashes: Sequence[int] | None = None
     namespace: str | None = None
+    token_hashes: Sequence[int | None] | None = None  # per block, not chained (token ids known)
 
 
 _U64 = (1 << 64) - 1
@@ -226,6 +228,7 @@ class _Columns:
         c["position"].extend(range(n))
         c["block_hash"].extend(p.block_hashes)
         c["content_hash"].extend(p.content_hashes if p.content_hashes is not None else [None] * n)
+        c["token_hash"].extend(p.token_hashes if p.token_hashes is not None else [None] * n)
         c["block_tokens"].extend(p.block_tokens)
         c["block_size_tokens"].extend([p.block_size_tokens] * n)
         c["namespace"].extend([p.namespace] * n)

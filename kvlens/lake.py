@@ -359,19 +359,23 @@ def create_enum_types(con: duckdb.DuckDBPyConnection) -> None:
             con.execute(f"CREATE TYPE {name} AS ENUM ({values})")
 
 
-def _view_sql(lake: Path, table: Table) -> str:
+def _view_sql(con: duckdb.DuckDBPyConnection, lake: Path, table: Table) -> str:
     files = segment_files(lake, table.name)
     if not files:
         cols = ", ".join(f"CAST(NULL AS {c.type}) AS {c.name}" for c in table.columns)
         return f"SELECT {cols} WHERE false"
     glob = str((lake / table.name).resolve()) + "/scenario=*/date=*/*.parquet"
+    source = (f"read_parquet({_literal(glob)}, hive_partitioning = true, "
+              "union_by_name = true, hive_types_autocast = false)")
+    # A column added to the schema after a lake's segments were written is NULL there.
+    present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
     cols = ", ".join(
-        f"CAST({c.name} AS {c.type}) AS {c.name}" if c.name != "scenario"
-        else "CAST(scenario AS VARCHAR) AS scenario"
+        "CAST(scenario AS VARCHAR) AS scenario" if c.name == "scenario"
+        else f"CAST({c.name} AS {c.type}) AS {c.name}" if c.name in present
+        else f"CAST(NULL AS {c.type}) AS {c.name}"
         for c in table.columns
     )
-    return (f"SELECT {cols} FROM read_parquet({_literal(glob)}, hive_partitioning = true, "
-            "union_by_name = true, hive_types_autocast = false)")
+    return f"SELECT {cols} FROM {source}"
 
 
 def open_lake(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], *,
@@ -393,5 +397,5 @@ def open_lake(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], *,
     create_enum_types(con)
     kind = "TEMP VIEW" if temp else "VIEW"
     for table in LAKE_TABLES:
-        con.execute(f"CREATE OR REPLACE {kind} {table.name} AS {_view_sql(root, table)}")
+        con.execute(f"CREATE OR REPLACE {kind} {table.name} AS {_view_sql(con, root, table)}")
     return [t.name for t in LAKE_TABLES]

@@ -1,0 +1,233 @@
+"""Analyzers: isolation and compatibility audit: cache keys shared where they must not be, and
+keys that cannot match where they should.
+
+Findings, each a row with a severity and a sentence for the operator:
+
+- ``cross_tenant_reuse`` (high): a cache hit of one tenant on a block first needed by another
+  tenant (``requests.tenant``, ``block_outcomes``): the tenants' prompts map to the same keys,
+  so one tenant's KV serves another;
+- ``cross_tenant_keys`` (medium): block keys needed by several tenants without such a hit yet;
+- ``cross_salt_keys`` (high): one engine block key published with different extra keys (cache
+  salts): the salt does not separate the keys;
+- ``incompatible_keys`` (medium): ``miss_incompatible`` blocks: the same token content was
+  stored under another namespace, so it was recomputed (with the parts of the two namespace
+  names that differ);
+- ``same_content_different_keys`` (medium): two replicas (engine events) or two namespaces
+  (router / gateway blocks) keyed identical token content differently: hash algorithm, seed,
+  model revision or salt differ although the content matches;
+- ``block_size_mismatch`` (high): a replica stores blocks of another size than the router
+  keys prompts in; ``engine_block_size_mismatch`` (medium): replicas disagree among themselves.
+"""
+
+from __future__ import annotations
+
+import re
+
+import duckdb
+import polars as pl
+
+from kvlens.schema import Outcome, Severity
+
+__all__ = ["isolation_findings"]
+
+_HITS = [Outcome.HIT_LOCAL.value, Outcome.HIT_OFFLOAD.value, Outcome.HIT_REMOTE.value]
+_SEVERITY_ORDER = {Severity.HIGH.value: 0, Severity.MEDIUM.value: 1, Severity.LOW.value: 2}
+_SCHEMA: dict[str, type[pl.DataType]] = {
+    "scenario": pl.Utf8, "finding": pl.Utf8, "subject": pl.Utf8, "blocks": pl.Int64, "detail": pl.Utf8,
+    "severity": pl.Utf8, "tokens": pl.Int64, "bytes": pl.Int64, "requests": pl.Int64,
+}
+_SALT_ADVICE = "give each tenant its own cache_salt (vLLM) or namespace"
+
+
+def _of(rel: duckdb.DuckDBPyRelation, scenario: str, *cols: str) -> pl.DataFrame:
+    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
+    return rel.filter(cond).select(*cols).pl()
+
+
+def _rows(rows: list[dict[str, object]]) -> pl.DataFrame:
+    return pl.DataFrame(rows, schema=_SCHEMA) if rows else pl.DataFrame(schema=_SCHEMA)
+
+
+def _tenant_blocks(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
+                   scenario: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(request_id -> tenant, full blocks with tenant and arrival) of the scenario."""
+    tenants = (_of(requests, scenario, "request_id", "tenant").filter(pl.col("tenant").is_not_null())
+               .unique("request_id", keep="first"))
+    blocks = (_of(request_blocks, scenario, "request_id", "arrival_ns", "block_hash", "block_tokens",
+                  "block_size_tokens")
+              .filter(pl.col("block_tokens") >= pl.col("block_size_tokens"))
+              .join(tenants, on="request_id"))
+    return tenants, blocks
+
+
+def _cross_tenant(tenants: pl.DataFrame, blocks: pl.DataFrame, outcomes: pl.DataFrame,
+                  bytes_per_token: int) -> list[dict[str, object]]:
+    if blocks.is_empty():
+        return []
+    first = (blocks.sort("arrival_ns", "request_id").group_by("block_hash", maintain_order=True)
+             .agg(owner=pl.col("tenant").first()))
+    hits = (outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(_HITS))
+            .join(tenants, on="request_id").join(first, on="block_hash")
+            .filter(pl.col("owner") != pl.col("tenant")))
+    out: list[dict[str, object]] = []
+    for r in (hits.group_by("owner", "tenant").agg(blocks=pl.len(), tokens=pl.col("tokens").sum(),
+                                                    requests=pl.col("request_id").n_unique())
+              .sort("owner", "tenant").iter_rows(named=True)):
+        out.append({
+            "finding": "cross_tenant_reuse", "severity": Severity.HIGH.value,
+            "subject": f"{r['owner']} -> {r['tenant']}", "blocks": r["blocks"], "tokens": r["tokens"],
+            "bytes": r["tokens"] * bytes_per_token, "requests": r["requests"],
+            "detail": f"{r['blocks']} cache hits ({r['tokens']:,} tokens) in {r['requests']} requests of "
+                      f"tenant {r['tenant']} were served from blocks first computed for tenant {r['owner']}: "
+                      f"the tenants share cache keys; {_SALT_ADVICE}."})
+    crossed = set(hits["block_hash"].to_list())
+    shared = (blocks.filter(~pl.col("block_hash").is_in(list(crossed)))
+              .group_by("block_hash").agg(tenants=pl.col("tenant").unique().sort(),
+                                          tokens=pl.col("block_tokens").first(),
+                                          requests=pl.col("request_id").n_unique())
+              .filter(pl.col("tenants").list.len() > 1)
+              .with_columns(subject=pl.col("tenants").list.join(", ")))
+    for r in (shared.group_by("subject").agg(blocks=pl.len(), tokens=pl.col("tokens").sum(),
+                                             requests=pl.col("requests").sum())
+              .sort("subject").iter_rows(named=True)):
+        out.append({
+            "finding": "cross_tenant_keys", "severity": Severity.MEDIUM.value, "subject": r["subject"],
+            "blocks": r["blocks"], "tokens": r["tokens"], "bytes": r["tokens"] * bytes_per_token,
+            "requests": r["requests"],
+            "detail": f"{r['blocks']} block keys ({r['tokens']:,} tokens) were needed by tenants "
+                      f"{r['subject']} ({r['requests']} requests), with no hit across tenants yet: their "
+                      f"prompts map to the same cache keys; {_SALT_ADVICE}."})
+    return out
+
+
+def _cross_salt(events: pl.DataFrame) -> list[dict[str, object]]:
+    salted = (events.filter(pl.col("extra_key").is_not_null())
+              .group_by("block_hash").agg(salts=pl.col("extra_key").unique().sort())
+              .filter(pl.col("salts").list.len() > 1))
+    if salted.is_empty():
+        return []
+    salts = sorted({s for row in salted["salts"].to_list() for s in row})
+    shown = ", ".join(salts[:5]) + (", ..." if len(salts) > 5 else "")
+    return [{"finding": "cross_salt_keys", "severity": Severity.HIGH.value, "subject": shown,
+             "blocks": salted.height,
+             "detail": f"{salted.height} block keys were published with different extra keys (cache salts "
+                       f"{shown}): the salt does not change the key, so salted tenants share KV; check the "
+                       "engine's hashing of cache_salt."}]
+
+
+def _name_diff(a: str, b: str) -> str:
+    """The parts of two namespace names that differ, e.g. ``'sha256' vs 'sha256_cbor'``."""
+    pa, pb = re.split(r"[|;,/ :@=]+", a), re.split(r"[|;,/ :@=]+", b)
+    only_a = [p for p in pa if p not in pb]
+    only_b = [p for p in pb if p not in pa]
+    if not only_a and not only_b:
+        return f"{a!r} vs {b!r}"
+    return f"{' '.join(only_a) or '(nothing)'!r} vs {' '.join(only_b) or '(nothing)'!r}"
+
+
+def _incompatible(outcomes: pl.DataFrame, spaces: pl.DataFrame,
+                  bytes_per_token: int) -> list[dict[str, object]]:
+    missed = (outcomes.filter((pl.col("outcome").cast(pl.Utf8) == Outcome.MISS_INCOMPATIBLE.value)
+                              & pl.col("key_diff").is_not_null())
+              .join(spaces, on=["request_id", "position"], how="left")
+              .with_columns(pl.col("namespace").fill_null("(none)")))
+    out: list[dict[str, object]] = []
+    for r in (missed.group_by("namespace", "key_diff").agg(blocks=pl.len(), tokens=pl.col("tokens").sum(),
+                                                            requests=pl.col("request_id").n_unique())
+              .sort("namespace", "key_diff").iter_rows(named=True)):
+        out.append({
+            "finding": "incompatible_keys", "severity": Severity.MEDIUM.value,
+            "subject": f"{r['namespace']} vs {r['key_diff']}", "blocks": r["blocks"], "tokens": r["tokens"],
+            "bytes": r["tokens"] * bytes_per_token, "requests": r["requests"],
+            "detail": f"{r['blocks']} blocks ({r['tokens']:,} tokens, {r['requests']} requests) needed "
+                      f"under namespace {r['namespace']} were recomputed although the same token content was "
+                      f"stored under {r['key_diff']} (they differ in "
+                      f"{_name_diff(r['namespace'], r['key_diff'])}); "
+                      "if both serve the same model, align hash algorithm, seed, block size and revision."})
+    return out
+
+
+def _different_keys(keys: pl.DataFrame, what: str) -> list[dict[str, object]]:
+    """Pairs of ``label`` values that keyed the same ``content_hash`` to different block hashes."""
+    keys = keys.filter(pl.col("content_hash").is_not_null() & pl.col("label").is_not_null()).unique()
+    multi = keys.group_by("content_hash").agg(n=pl.col("block_hash").n_unique()).filter(pl.col("n") > 1)
+    keys = keys.join(multi.select("content_hash"), on="content_hash")
+    pairs = (keys.join(keys, on="content_hash", suffix="_b")
+             .filter((pl.col("label") < pl.col("label_b")) & (pl.col("block_hash") != pl.col("block_hash_b")))
+             .group_by("label", "label_b").agg(blocks=pl.col("content_hash").n_unique())
+             .sort("label", "label_b"))
+    return [{"finding": "same_content_different_keys", "severity": Severity.MEDIUM.value,
+             "subject": f"{r['label']} vs {r['label_b']}", "blocks": r["blocks"],
+             "detail": f"{what} {r['label']} and {r['label_b']} keyed {r['blocks']} blocks of identical "
+                       "token content to different block hashes: hash algorithm, seed, model revision or "
+                       "cache salt differ, so they can never share these blocks."}
+            for r in pairs.iter_rows(named=True)]
+
+
+def _block_sizes(router: pl.DataFrame, events: pl.DataFrame) -> list[dict[str, object]]:
+    router_sizes = sorted(router["block_size_tokens"].drop_nulls().unique().to_list())
+    engine = (events.filter(pl.col("block_tokens").is_not_null())
+              .group_by("replica").agg(sizes=pl.col("block_tokens").unique().sort(), blocks=pl.len())
+              .sort("replica"))
+    out: list[dict[str, object]] = []
+    for r in engine.iter_rows(named=True):
+        odd = [s for s in r["sizes"] if s not in router_sizes]
+        if router_sizes and odd:
+            out.append({
+                "finding": "block_size_mismatch", "severity": Severity.HIGH.value, "subject": r["replica"],
+                "blocks": r["blocks"],
+                "detail": f"replica {r['replica']} stored {r['blocks']} blocks of "
+                          f"{', '.join(map(str, r['sizes']))} tokens, but the router keys prompts in "
+                          f"blocks of {', '.join(map(str, router_sizes))} tokens: none of its keys can match "
+                          "the router's; configure one block size."})
+    all_sizes = sorted({s for row in engine["sizes"].to_list() for s in row})
+    if len(all_sizes) > 1:
+        holders = {s: ", ".join(engine.filter(pl.col("sizes").list.contains(s))["replica"].cast(pl.Utf8))
+                   for s in all_sizes}
+        by_size = [f"{s} ({holders[s]})" for s in all_sizes]
+        out.append({
+            "finding": "engine_block_size_mismatch", "severity": Severity.MEDIUM.value,
+            "subject": ", ".join(engine["replica"].cast(pl.Utf8).to_list()),
+            "blocks": int(engine["blocks"].sum()),
+            "detail": f"replicas store blocks of different sizes, tokens (replicas): {'; '.join(by_size)}: "
+                      "replicas of different block sizes cannot share keys."})
+    return out
+
+
+def isolation_findings(
+    *,
+    requests: duckdb.DuckDBPyRelation,
+    request_blocks: duckdb.DuckDBPyRelation,
+    kv_events: duckdb.DuckDBPyRelation,
+    block_outcomes: pl.DataFrame,
+    scenario: str,
+    bytes_per_token: int,
+) -> pl.DataFrame:
+    """Isolation and compatibility findings of ``scenario`` (see the module docstring).
+
+    Columns: scenario, finding, subject (tenants, replicas or namespaces involved), blocks
+    (blocks or block keys involved), detail (the finding in words, with numbers), severity
+    (kvlens.schema.Severity: high, medium, low), tokens and bytes (tokens x
+    ``bytes_per_token``) when the finding is about needed blocks, requests (requests involved,
+    when known). Sorted by severity (high first), finding, blocks (most first), subject.
+    """
+    tenants, tblocks = _tenant_blocks(requests, request_blocks, scenario)
+    router = _of(request_blocks, scenario, "request_id", "position", "block_hash", "content_hash",
+                 "block_size_tokens", "namespace")
+    events = _of(kv_events, scenario, "replica", "kind", "block_hash", "content_hash", "block_tokens",
+                 "extra_key", "namespace").filter(pl.col("kind").cast(pl.Utf8) == "stored")
+    outcomes = block_outcomes.filter(pl.col("scenario") == scenario)
+    rows = [
+        *_cross_tenant(tenants, tblocks, outcomes, bytes_per_token),
+        *_cross_salt(events),
+        *_incompatible(outcomes, router.select("request_id", "position", "namespace"), bytes_per_token),
+        *_different_keys(events.select(label=pl.col("replica"), content_hash="content_hash",
+                                       block_hash="block_hash"), "replicas"),
+        *_different_keys(router.select(label=pl.col("namespace"), content_hash="content_hash",
+                                       block_hash="block_hash"), "namespaces"),
+        *_block_sizes(router, events),
+    ]
+    return (_rows(rows).with_columns(scenario=pl.lit(scenario))
+            .with_columns(rank=pl.col("severity").replace_strict(_SEVERITY_ORDER, return_dtype=pl.Int8))
+            .sort(["rank", "finding", "blocks", "subject"], descending=[False, False, True, False])
+            .select(list(_SCHEMA)))
