@@ -13,18 +13,28 @@ import duckdb
 import polars as pl
 
 from analyzers.capacity import effective_capacity, ttl_coverage
+from analyzers.costs import cost_model
+from analyzers.crossover import crossover
+from analyzers.fanout import fanout
+from analyzers.flows import flows
+from analyzers.hygiene import hygiene
+from analyzers.isolation import isolation_findings
 from analyzers.join import join_sources
 from analyzers.ledger import miss_ledger
 from analyzers.mrc import mrc
 from analyzers.outcomes import block_outcomes
+from analyzers.ranking import prefix_ranking
 from analyzers.reconcile import reconcile
 from analyzers.request_ledger import request_ledger
 from analyzers.reuse import access_stream, reuse
+from analyzers.tails import latency_tails
+from analyzers.warmup import warmup
 from kvlens.models import ModelGeometry
 
 __all__ = [
-    "analyze_scenario", "block_outcomes", "effective_capacity", "join_sources", "miss_ledger", "mrc",
-    "reconcile", "request_ledger", "reuse", "ttl_coverage",
+    "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity", "fanout", "flows",
+    "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger", "mrc", "prefix_ranking",
+    "reconcile", "request_ledger", "reuse", "ttl_coverage", "warmup",
 ]
 
 # SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
@@ -62,6 +72,21 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "block_outcomes", outcomes
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
     yield "request_ledger", per_request
+    yield "hygiene", hygiene(request_blocks=con.table("request_blocks"), scenario=scenario,
+                             bytes_per_token=per_token)
+    yield "isolation_findings", isolation_findings(
+        requests=requests, request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
+        block_outcomes=outcomes, scenario=scenario, bytes_per_token=per_token)
+    yield "flows", flows(block_outcomes=outcomes, request_ledger=per_request,
+                         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
+                         scenario=scenario, bytes_per_token=per_token)
+    yield "fanout", fanout(block_outcomes=outcomes)
+    yield "latency_tails", latency_tails(request_ledger=per_request)
+    yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes,
+                           kv_events=con.table("kv_events"), scenario=scenario)
+    costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
+    yield "crossover", crossover(costs=costs, scenario=scenario)
+    yield "prefix_ranking", prefix_ranking(block_outcomes=outcomes, costs=costs, scenario=scenario)
     metrics_scenario = metrics_from or scenario
     ((scraped,),) = con.execute("SELECT count(*) FROM metric_samples WHERE scenario = ?",
                                 [metrics_scenario]).fetchall()
