@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import duckdb
+import polars as pl
 
 from analyzers import analyze_scenario
 from analyzers.simulate import SimConfig, simulate
@@ -15,6 +16,7 @@ from kvlens.lake import open_lake, write_scenario
 from kvlens.models import get_model
 from kvlens.schema import RoutingPolicy
 from sample_data import MOONCAKE_CONVERSATION
+from sample_data.agents import AGENT_MODEL, write_agent_log
 
 __all__ = ["DEMO_MODEL", "DEMO_SCENARIO", "INFINITE_CACHE_SQL", "SAMPLE_TRACE", "WHAT_IFS", "run_demo"]
 
@@ -83,6 +85,55 @@ def _what_ifs(lake: Path) -> None:
         write_scenario(lake, name, {k: v.to_arrow() for k, v in result.tables.items()}, writer_id="demo")
 
 
+# The synthetic agent service (sample_data/agents.py): token ids and tenants, two planted faults,
+# served by 4 replicas with a small GPU cache each and a shared pool.
+AGENT_SCENARIO = "agents"
+AGENT_WHAT_IF = "agents4-pool"
+_AGENT_FLEET = SimConfig(routing=RoutingPolicy.CACHE_AWARE, replicas=4, capacity_tokens=60_000,
+                         pool_tokens=400_000)
+
+
+def _agents(workdir: Path, lake: Path) -> None:
+    log = write_agent_log(workdir / "agents_gateway.jsonl")
+    import_files("gateway", [log], lake, scenario=AGENT_SCENARIO, model=AGENT_MODEL)
+    con = duckdb.connect()
+    open_lake(con, lake)
+    reqs = con.sql("SELECT * FROM requests WHERE scenario = ?", params=[AGENT_SCENARIO]).pl()
+    blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = ?", params=[AGENT_SCENARIO]).pl()
+    con.close()
+    result = simulate(requests=reqs, request_blocks=blocks, config=_AGENT_FLEET, model=get_model(AGENT_MODEL))
+    write_scenario(lake, AGENT_WHAT_IF, {k: v.to_arrow() for k, v in result.tables.items()}, writer_id="demo")
+
+
+AGENT_FINDINGS_SQL = """
+SELECT (SELECT count(*) FROM hygiene WHERE scenario = $s) AS hygiene_requests,
+       (SELECT coalesce(sum(lost_tokens), 0) FROM hygiene WHERE scenario = $s) AS lost_tokens,
+       (SELECT sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote'))
+               / sum(tokens)
+        FROM miss_ledger WHERE scenario = $s) AS hit_ratio,
+       (SELECT coalesce(sum(read_bytes), 0) FROM flows WHERE scenario = $s AND tier = 'pool')
+           AS pool_read_bytes
+"""
+
+
+def _agent_lines(db: Path) -> list[str]:
+    con = duckdb.connect(str(db), read_only=True)
+    row = con.execute(AGENT_FINDINGS_SQL, {"s": AGENT_WHAT_IF}).fetchone()
+    findings = con.execute("SELECT severity, detail FROM isolation_findings WHERE scenario = ? "
+                           "ORDER BY blocks DESC LIMIT 2", [AGENT_WHAT_IF]).fetchall()
+    con.close()
+    assert row is not None
+    requests, lost, hit, pool_read = row
+    lines = ["", "Synthetic agent service (sample_data/agents.py, planted faults), "
+                 f"scenario {AGENT_WHAT_IF!r}:",
+             f"  hit ratio {hit or 0:.1%} of full-block tokens; "
+             f"{pool_read / 2**30:.1f} GiB loaded from the pool",
+             f"  prompt hygiene: {requests:,} requests split early before repeated content, "
+             f"{lost:,} tokens lost"]
+    lines += [f"  isolation ({severity}): {detail}" for severity, detail in findings]
+    return lines
+
+
 def _side_by_side(db: Path) -> list[str]:
     con = duckdb.connect(str(db), read_only=True)
     rows = con.execute(LEDGER_SIDE_BY_SIDE_SQL, {"names": list(WHAT_IFS)}).fetchall()
@@ -129,10 +180,17 @@ def run_demo(workdir: Path, *, on_progress: Callable[[int], None] | None = None)
     con.close()
     per_token = geo.kv_bytes_per_token()
     _what_ifs(lake)
+    _agents(workdir, lake)
     db = workdir / "kvlens.duckdb"
     fleet_tokens = _FLEET["replicas"] * _FLEET["capacity_tokens"]
-    build_analysis_db(db, lake, lambda c: (
-        pair for name in WHAT_IFS for pair in analyze_scenario(c, name, geo, cache_tokens=fleet_tokens)))
+    agent_tokens = _AGENT_FLEET.replicas * (_AGENT_FLEET.capacity_tokens or 0)
+
+    def analyses(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
+        for name in WHAT_IFS:
+            yield from analyze_scenario(con, name, geo, cache_tokens=fleet_tokens)
+        yield from analyze_scenario(con, AGENT_WHAT_IF, get_model(AGENT_MODEL), cache_tokens=agent_tokens)
+
+    build_analysis_db(db, lake, analyses)
     lines = [
         "",
         f"kvlens demo: Mooncake conversation trace as scenario {DEMO_SCENARIO!r} ({geo.name}, "
@@ -150,6 +208,7 @@ def run_demo(workdir: Path, *, on_progress: Callable[[int], None] | None = None)
         "  (rr8: round robin; cache8: cache-aware; cache8-lf1.5: cache-aware, falling back to the",
         "   least loaded replica above 1.5x the mean in-flight requests)",
         *_capacity(db, fleet_tokens),
+        *_agent_lines(db),
         "",
         f"lake:        {lake}",
         f"analysis DB: {db}",
