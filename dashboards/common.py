@@ -1,0 +1,147 @@
+"""Dashboards: what every Streamlit page shares: the read-only connection and the sidebar filters.
+
+One DuckDB connection per database file for the whole server (``st.cache_resource``, the file
+attached read-only), one cursor per rerun; the sidebar's scenario and time-window selectors become a
+``Window`` that every query binds as parameters.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import altair as alt
+import duckdb
+import streamlit as st
+
+from dashboards.queries import Window, scenario_span_ns, scenarios, table_rows
+from kvlens.query import connect
+
+__all__ = [
+    "Context",
+    "connection",
+    "cursor",
+    "fmt_bytes",
+    "fmt_ratio",
+    "has_rows",
+    "no_rows",
+    "show_chart",
+    "sidebar",
+]
+
+_MINUTE_NS = 60 * 10**9
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a page renders from: this rerun's cursor, the filters, the scenario list."""
+
+    cur: duckdb.DuckDBPyConnection
+    window: Window
+    scenarios: tuple[str, ...]
+    db: str
+
+    @property
+    def scenario(self) -> str:
+        return self.window.scenario
+
+
+@st.cache_resource(show_spinner=False, max_entries=4)
+def _open(db: str, stamp: tuple[int, int]) -> duckdb.DuckDBPyConnection:
+    # The file is ATTACHed read-only to an in-memory database (kvlens.query.connect): a plain
+    # duckdb.connect(path) would hand back DuckDB's cached instance of the replaced file.
+    return connect(db=db)
+
+
+def connection(db: str) -> duckdb.DuckDBPyConnection:
+    """The server's one read-only connection to ``db`` (pages take a cursor from it per rerun).
+
+    Keyed by the file's inode and mtime as well: ``kvlens analyze`` renames a new DB into place,
+    and the next rerun opens that one instead of showing the old file forever.
+    """
+    st_ = os.stat(db)
+    return _open(db, (st_.st_ino, st_.st_mtime_ns))
+
+
+def cursor(db: str) -> duckdb.DuckDBPyConnection:
+    """This rerun's cursor on the shared connection, reading the analysis DB and nothing else."""
+    cur = connection(db).cursor()
+    # A cursor is a new DuckDB session: settings made on the connection do not carry over.
+    cur.execute("USE analysis")
+    cur.execute("SET python_enable_replacements = false")  # never scan a Python variable by name
+    return cur
+
+
+def _ns_to_dt(ns: int) -> dt.datetime:
+    return dt.datetime(1970, 1, 1) + dt.timedelta(microseconds=ns // 1000)
+
+
+def _dt_to_ns(value: dt.datetime) -> int:
+    return (value - dt.datetime(1970, 1, 1)) // dt.timedelta(microseconds=1) * 1000
+
+
+def _window_slider(cur: duckdb.DuckDBPyConnection, scenario: str) -> Window:
+    span = scenario_span_ns(cur, scenario)
+    if span is None:
+        st.sidebar.caption("no requests in this scenario: no time window")
+        return Window(scenario)
+    lo_ns = span[0] // _MINUTE_NS * _MINUTE_NS
+    hi_ns = (span[1] // _MINUTE_NS + 1) * _MINUTE_NS
+    lo, hi = _ns_to_dt(lo_ns), _ns_to_dt(hi_ns)
+    start, end = st.sidebar.slider(
+        "Time window (UTC)",
+        min_value=lo,
+        max_value=hi,
+        value=(lo, hi),
+        step=dt.timedelta(minutes=1),
+        format="MM-DD HH:mm",
+        key=f"window:{scenario}",
+    )
+    if (start, end) == (lo, hi):
+        return Window(scenario)
+    return Window(scenario, _dt_to_ns(start), _dt_to_ns(end) - 1)
+
+
+def sidebar(cur: duckdb.DuckDBPyConnection, db: str) -> Context:
+    """Draw the scenario and time-window selectors; the filters they set."""
+    names = tuple(scenarios(cur)["scenario"].to_list())
+    st.sidebar.caption(f"analysis DB: `{db}`")
+    if not names:
+        st.sidebar.warning("no analyzed scenarios")
+        return Context(cur, Window(""), names, db)
+    scenario = st.sidebar.selectbox("Scenario", names, key="scenario")
+    window = _window_slider(cur, scenario)
+    return Context(cur, window, names, db)
+
+
+def has_rows(ctx: Context, table: str, *, per_scenario: bool = True) -> bool:
+    """Whether ``table`` has rows (for the selected scenario when ``per_scenario``)."""
+    n = table_rows(ctx.cur, table, ctx.scenario if per_scenario else None)
+    return bool(n)
+
+
+def no_rows(ctx: Context, table: str, how: str | None = None) -> None:
+    """Say plainly that an analysis has nothing to show yet, and how to get it."""
+    how = how or f"run kvlens analyze --lake LAKE --db {ctx.db}"
+    st.info(f"`{table}`: no rows yet for scenario `{ctx.scenario}`: {how}", icon=":material/info:")
+
+
+def show_chart(chart: alt.Chart | alt.LayerChart) -> None:
+    st.altair_chart(chart, width="stretch")
+
+
+def fmt_bytes(n: Any) -> str:
+    if n is None:
+        return "n/a"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            return f"{value:,.1f} {unit}" if unit != "B" else f"{value:,.0f} B"
+        value /= 1024
+    return f"{value:,.1f} PiB"
+
+
+def fmt_ratio(r: Any) -> str:
+    return "n/a" if r is None else f"{r:.1%}"

@@ -1,0 +1,125 @@
+"""Dashboards: the capacity page (miss-ratio curves, C_eff, TTL, warm-up) and the flows page."""
+
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from dashboards import analyses, charts
+from dashboards.common import Context, fmt_bytes, fmt_ratio, has_rows, no_rows, show_chart
+
+__all__ = ["capacity", "flows"]
+
+_WORST_WINDOW = "15m"
+
+
+def _capacity_metrics(marks: pl.DataFrame) -> None:
+    row = marks.row(0, named=True)
+    a, b, c, d = st.columns(4)
+    a.metric("C_physical", fmt_bytes(row["c_physical_bytes"]))
+    b.metric("C_eff", fmt_bytes(row["c_eff_bytes"]), help=f"active decode from {row['active_source']}")
+    c.metric("Byte hit ratio at C_eff", fmt_ratio(row["hit_ratio_bytes_at_eff"]))
+    d.metric("Gain from 2 x C_eff", fmt_ratio(row["gain_from_2x_ratio"]))
+    parts = pl.DataFrame(
+        {
+            "term": ["C_physical", "- C_active_decode", "- C_reserved", "- C_fragmentation", "= C_eff"],
+            "bytes": [
+                row["c_physical_bytes"],
+                row["c_active_decode_bytes"],
+                row["c_reserved_bytes"],
+                row["c_fragmentation_bytes"],
+                row["c_eff_bytes"],
+            ],
+        }
+    ).with_columns(pl.col("bytes").map_elements(fmt_bytes, return_dtype=pl.String).alias("size"))
+    st.dataframe(parts, hide_index=True)
+
+
+def capacity(ctx: Context) -> None:
+    """Exact and sampled LRU curves with the fleet's effective capacity marked; TTL; warm-up."""
+    st.header(f"Capacity: {ctx.scenario}")
+    st.caption("Curves and capacity cover the whole scenario: the time window does not apply here.")
+    if not has_rows(ctx, "mrc"):
+        no_rows(ctx, "mrc")
+        return
+    streams = analyses.mrc_streams(ctx.cur, ctx.scenario)
+    stream = st.selectbox("Stream", streams, key="mrc_stream") if len(streams) > 1 else streams[0]
+    marks = analyses.capacity_marks(ctx.cur, ctx.scenario)
+    if marks.height:
+        _capacity_metrics(marks)
+    else:
+        no_rows(ctx, "capacity", f"run kvlens analyze --cache-tokens N --db {ctx.db}")
+    show_chart(charts.mrc_chart(analyses.mrc_curve(ctx.cur, ctx.scenario, stream), marks))
+    st.subheader("TTL coverage")
+    ttl = analyses.ttl_coverage(ctx.cur, ctx.scenario)
+    if ttl.height:
+        show_chart(charts.ttl_chart(ttl))
+        st.dataframe(ttl.drop("scenario"), hide_index=True)
+    else:
+        no_rows(ctx, "ttl_coverage")
+    st.subheader("Warm-up")
+    warm = analyses.warmup(ctx.cur, ctx.scenario)
+    if warm.height:
+        st.dataframe(warm, hide_index=True)
+    else:
+        no_rows(ctx, "warmup")
+
+
+def _flow_metrics(frame: pl.DataFrame, long: pl.DataFrame) -> None:
+    written = frame["write_bytes"].sum() or 0
+    never = frame["never_read_bytes"].sum() or 0
+    moved = long.filter(pl.col("flow") != "never_read").sort("window")
+    worst = (
+        moved.group_by_dynamic("window", every=_WORST_WINDOW)
+        .agg(pl.col("bytes").sum())
+        .sort("bytes", descending=True)
+        .head(1)
+    )
+    a, b, c, d = st.columns(4)
+    a.metric("Read", fmt_bytes(frame["read_bytes"].sum()))
+    b.metric("Written", fmt_bytes(written))
+    c.metric(
+        "Never read again",
+        fmt_ratio(float(never) / float(written) if written else None),
+        help=f"{fmt_bytes(never)} written and removed without a read",
+    )
+    if worst.height:
+        d.metric(
+            "Worst 15-minute window", fmt_bytes(worst["bytes"][0]), help=f"from {worst['window'][0]:%H:%M}"
+        )
+
+
+def flows(ctx: Context) -> None:
+    """Bytes read, written and copied between replicas per window; never-read bytes."""
+    st.header(f"Flows: {ctx.scenario}")
+    if not has_rows(ctx, "flows"):
+        no_rows(ctx, "flows")
+        return
+    frame = analyses.flows(ctx.cur, ctx.window)
+    if frame.height == 0:
+        st.info("no flows in this time window")
+        return
+    long = analyses.flows_long(frame)
+    _flow_metrics(frame, long)
+    show_chart(charts.flows_chart(long))
+    st.subheader("Per tier and replica")
+    per = (
+        frame.group_by("tier", "replica")
+        .agg(pl.col("read_bytes", "write_bytes", "replica_bytes", "never_read_bytes").sum())
+        .sort("tier", "replica")
+    )
+    st.dataframe(per, hide_index=True)
+    _fanout(ctx)
+
+
+def _fanout(ctx: Context) -> None:
+    st.subheader("Fan-out")
+    if not has_rows(ctx, "fanout"):
+        no_rows(ctx, "fanout")
+        return
+    frame = analyses.fanout(ctx.cur, ctx.window)
+    if frame.height == 0:
+        st.info("no fan-out windows in this time window")
+        return
+    show_chart(charts.fanout_chart(frame))
+    st.dataframe(frame, hide_index=True)

@@ -1,0 +1,114 @@
+"""Dashboards: the overview and misses pages, both read from the miss ledger."""
+
+from __future__ import annotations
+
+import polars as pl
+import streamlit as st
+
+from dashboards import analyses, charts
+from dashboards.common import Context, fmt_bytes, fmt_ratio, has_rows, no_rows, show_chart
+from dashboards.queries import (
+    HIT_OUTCOMES,
+    hit_ratios,
+    ledger_by_outcome,
+    pick_bucket_ns,
+    scenario_span_ns,
+    trend,
+)
+
+__all__ = ["misses", "overview"]
+
+
+def _outcome_totals(ledger: pl.DataFrame) -> pl.DataFrame:
+    totals = ledger.group_by("outcome").agg(
+        pl.col("blocks").sum(), pl.col("tokens").sum(), pl.col("bytes").sum()
+    )
+    return totals.with_columns((pl.col("tokens") / pl.col("tokens").sum()).alias("share")).sort(
+        "tokens", descending=True
+    )
+
+
+def _headline(ctx: Context) -> None:
+    ratios = hit_ratios(ctx.cur, ctx.window)
+    worst = analyses.worst_tail(ctx.cur, ctx.window) if has_rows(ctx, "latency_tails") else {}
+    a, b, c, d = st.columns(4)
+    a.metric("Requests", f"{ratios.get('requests') or 0:,}")
+    b.metric(
+        "Token hit ratio",
+        fmt_ratio(ratios.get("token_hit_ratio")),
+        help="hit tokens over every prompt token (partial tails included)",
+    )
+    c.metric(
+        "Byte hit ratio",
+        fmt_ratio(ratios.get("byte_hit_ratio")),
+        help=f"hit KV bytes over {fmt_bytes(ratios.get('prompt_bytes'))} of prompt KV",
+    )
+    if worst:
+        where = f"{worst['replica']}, " + (
+            "whole scenario" if worst["window"] is None else f"{worst['window']:%H:%M}"
+        )
+        d.metric("Worst TTFT P99/P50", f"{worst['p99_p50_ratio']:.1f}x", help=f"{where}; flagged above 5")
+    else:
+        d.metric("Worst TTFT P99/P50", "n/a", help="latency_tails has no rows yet for this scenario")
+
+
+def overview(ctx: Context) -> None:
+    """Hit ratios, the ledger by outcome per replica, the trend over time, the worst tail."""
+    st.header(f"Overview: {ctx.scenario}")
+    if not has_rows(ctx, "miss_ledger"):
+        no_rows(ctx, "miss_ledger")
+        return
+    _headline(ctx)
+    ledger = ledger_by_outcome(ctx.cur, ctx.window)
+    show_chart(charts.ledger_chart(ledger))
+    span = scenario_span_ns(ctx.cur, ctx.scenario)
+    if span is not None:
+        lo = ctx.window.start_ns if ctx.window.start_ns is not None else span[0]
+        hi = ctx.window.end_ns if ctx.window.end_ns is not None else span[1]
+        bucket_ns = pick_bucket_ns(max(hi - lo, 1))
+        show_chart(
+            charts.hit_ratio_trend_chart(
+                trend(ctx.cur, ctx.window, bucket_ns),
+                title=f"Token hit ratio per {bucket_ns // 60_000_000_000} min",
+            )
+        )
+    st.subheader("Ledger by outcome")
+    st.dataframe(
+        _outcome_totals(ledger),
+        hide_index=True,
+        column_config={"share": st.column_config.NumberColumn(format="percent")},
+    )
+    if not has_rows(ctx, "latency_tails"):
+        no_rows(ctx, "latency_tails")
+
+
+def misses(ctx: Context) -> None:
+    """Drill from an outcome to the replicas, to the requests, to the blocks behind it."""
+    st.header(f"Misses: {ctx.scenario}")
+    if not has_rows(ctx, "block_outcomes"):
+        no_rows(ctx, "block_outcomes")
+        return
+    totals = _outcome_totals(ledger_by_outcome(ctx.cur, ctx.window))
+    misses_only = totals.filter(~pl.col("outcome").is_in(HIT_OUTCOMES) & (pl.col("tokens") > 0))
+    if misses_only.height == 0:
+        st.success("no missed blocks in this window")
+        return
+    st.dataframe(
+        misses_only,
+        hide_index=True,
+        column_config={"share": st.column_config.NumberColumn("share of tokens", format="percent")},
+    )
+    outcome = st.selectbox("Outcome", misses_only["outcome"].to_list(), key="miss_outcome")
+    replicas = analyses.outcome_replicas(ctx.cur, ctx.window, outcome)
+    show_chart(charts.replica_bar_chart(replicas, title=f"{outcome}: tokens per replica"))
+    if replicas.height == 0:
+        return
+    replica = st.selectbox("Replica", replicas["replica"].to_list(), key="miss_replica")
+    requests = analyses.outcome_requests(ctx.cur, ctx.window, outcome, replica)
+    st.subheader(f"Requests on {replica} with {outcome} blocks (top {requests.height} by tokens)")
+    st.dataframe(requests, hide_index=True)
+    if requests.height == 0:
+        return
+    request_id = st.selectbox("Request", requests["request_id"].to_list(), key="miss_request")
+    st.subheader(f"Blocks of {request_id}")
+    st.dataframe(analyses.request_blocks(ctx.cur, ctx.scenario, request_id), hide_index=True)
