@@ -171,11 +171,18 @@ def demo_cmd(workdir: str) -> None:
 
     Example: kvlens demo --workdir /tmp/kvlens-demo
     """
+    from dashboards.report import write_report
     from sample_data.demo import SAMPLE_TRACE, run_demo
 
     with _progress_bar((str(SAMPLE_TRACE),), "import sample trace") as bar:
         summary = run_demo(Path(workdir), on_progress=bar.update)
     click.echo(summary)
+    db = Path(workdir) / "kvlens.duckdb"
+    report = write_report(db, Path(workdir) / "report.html")
+    click.echo(f"\nreport:      {report.resolve()}")
+    # The same executable the user ran (make demo runs .venv/bin/kvlens, not on PATH).
+    exe = sys.argv[0] if Path(sys.argv[0]).name == "kvlens" else "kvlens"
+    click.echo(f"dashboard:   {exe} dashboard --db {db}   (then open http://localhost:8501)")
 
 
 def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
@@ -499,6 +506,153 @@ def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_by
                f"{m.value('kvlens_otlp_spans_total', kind='llm_request'):,.0f} llm_request spans, "
                f"{m.value('kvlens_otlp_spans_total', kind='other'):,.0f} other spans; "
                f"{m.value('kvlens_otlp_written_rows_total'):,.0f} rows written")
+
+
+def _parse_now(value: str | None) -> int | None:
+    from datetime import UTC, datetime
+
+    if value is None:
+        return None
+    try:
+        moment = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: give an ISO time such as 2025-01-02T00:00:00Z",
+                                 param_hint="--now") from None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return int(moment.timestamp()) * 10**9 + moment.microsecond * 1000
+
+
+def _smtp_settings(smtp: str, starttls: bool, user: str | None, password_env: str | None) -> Any:
+    import os
+
+    from dashboards.mail import SmtpSettings, parse_smtp
+    from kvlens.errors import ConfigError
+
+    if (user is None) != (password_env is None):
+        raise ConfigError("--user and --password-env go together: the password is read from the "
+                          "environment variable --password-env names, never from the command line")
+    password = None
+    if password_env is not None:
+        password = os.environ.get(password_env)
+        if password is None:
+            raise ConfigError(f"environment variable {password_env} (from --password-env) is not set: "
+                              "export it with the SMTP password")
+    host, port = parse_smtp(smtp)
+    return SmtpSettings(host=host, port=port, starttls=starttls, user=user, password=password)
+
+
+@cli.command("report")
+@click.option("--db", required=True, type=click.Path(dir_okay=False),
+              help="Analysis DB written by kvlens analyze.")
+@click.option("--out", required=True, type=click.Path(dir_okay=False),
+              help="Write the self-contained HTML page (inline CSS, images as data: URIs) here.")
+@click.option("--since", default="24h", show_default=True,
+              help="Window length (30m, 24h, 7d, 1h30m): requests arriving in [now - since, now), "
+                   "compared with the window before it.")
+@click.option("--now", default=None,
+              help="End of the window (ISO time, UTC), for every scenario. Default: just after each "
+                   "scenario's own latest arrival (replayed traces keep their own epochs).")
+@click.option("--scenario", "scenarios", multiple=True, help="Scenario to report (repeat); default: all.")
+@click.option("--email-to", default=None, metavar="ADDR[,ADDR]", help="Also send it to these addresses.")
+@click.option("--smtp", default=None, metavar="HOST:PORT", help="SMTP server for --email-to.")
+@click.option("--starttls", is_flag=True, help="Upgrade the SMTP connection with STARTTLS.")
+@click.option("--user", default=None, help="SMTP login user (needs --password-env).")
+@click.option("--password-env", default=None, metavar="VAR",
+              help="Environment variable holding the password.")
+@click.option("--from", "sender", default="kvlens@localhost", show_default=True, help="Sender address.")
+@click.option("--subject", default=None, help="Subject (default: 'kvlens report, <window end>').")
+def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[str, ...],
+               email_to: str | None, smtp: str | None, starttls: bool, user: str | None,
+               password_env: str | None, sender: str, subject: str | None) -> None:
+    """Write the report (headline ratios, ledger chart, findings, change) as HTML; optionally email it.
+
+    Example: kvlens report --db kvlens.duckdb --out report.html --email-to ops@example.com --smtp mail:25
+    """
+    from dashboards.report import build_report, parse_duration_ns, save_html
+    from kvlens.errors import ConfigError
+
+    if (email_to is None) != (smtp is None):
+        raise ConfigError("--email-to and --smtp go together: pass both to send the report, or neither")
+    settings = _smtp_settings(smtp, starttls, user, password_env) if smtp else None
+    report = build_report(db, since_ns=parse_duration_ns(since), now_ns=_parse_now(now),
+                          scenarios=list(scenarios) or None)
+    path = save_html(report, out)
+    click.echo(f"report written: {path} ({path.stat().st_size / 1024:,.0f} KiB, {len(report.charts)} charts)")
+    if settings is not None and email_to is not None:
+        from dashboards.mail import build_message, send_message
+
+        recipients = [a.strip() for a in email_to.split(",") if a.strip()]
+        send_message(build_message(report, sender=sender, recipients=recipients, subject=subject), settings)
+        click.echo(f"report sent to {', '.join(recipients)} through {smtp}")
+
+
+@cli.command("export")
+@click.option("--db", required=True, type=click.Path(dir_okay=False),
+              help="Analysis DB written by kvlens analyze.")
+@click.option("--port", required=True, type=click.IntRange(0, 65535),
+              help="Port for /metrics (0: any free one).")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
+@click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
+def export_cmd(db: str, port: int, host: str, duration: float | None) -> None:
+    """Serve the latest ledger as Prometheus gauges (tokens, bytes, hit ratios), reread when the DB changes.
+
+    Example: kvlens export --db kvlens.duckdb --port 9465 --host 0.0.0.0
+    """
+    import signal
+    import threading
+
+    from dashboards.export import serve
+
+    server, _, bound = serve(db, port=port, host=host)
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    click.echo(f"serving {db} on http://{host}:{bound}/metrics", err=True)
+    try:
+        stop.wait(duration)
+    finally:
+        server.shutdown()
+        server.server_close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+@cli.command("dashboard")
+@click.option("--db", required=True, type=click.Path(dir_okay=False),
+              help="Analysis DB written by kvlens analyze.")
+@click.option("--port", type=click.IntRange(min=0, max=65535), default=8501, show_default=True,
+              help="Port the dashboard serves on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to bind (0.0.0.0 serves every interface).")
+def dashboard_cmd(db: str, port: int, host: str) -> None:
+    """Serve the read-only Streamlit dashboard over an analysis DB.
+
+    Example: kvlens dashboard --db kvlens-demo/kvlens.duckdb --port 8501
+    """
+    import importlib.util
+    import subprocess
+
+    from kvlens.errors import ConfigError
+
+    if importlib.util.find_spec("streamlit") is None:
+        raise ConfigError("the dashboard needs streamlit: pip install 'kvlens[dashboard]'")
+    path = Path(db)
+    if not path.is_file():
+        raise ConfigError(f"analysis DB {path} does not exist: "
+                          f"run kvlens analyze --lake LAKE --db {path} first")
+    import dashboards
+
+    app = Path(dashboards.__file__).resolve().parent / "app.py"
+    cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.headless=true",
+           "--browser.gatherUsageStats=false", "--server.fileWatcherType=none", "--server.runOnSave=false",
+           f"--server.port={port}", f"--server.address={host}", "--", "--db", str(path.resolve())]
+    click.echo(f"kvlens dashboard on http://{host}:{port}/ (Ctrl-C stops it)", err=True)
+    try:
+        rc = subprocess.call(cmd)
+    except KeyboardInterrupt:
+        rc = 0
+    if rc:
+        raise click.exceptions.Exit(rc)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -108,9 +108,7 @@ def _agents(workdir: Path, lake: Path) -> None:
 AGENT_FINDINGS_SQL = """
 SELECT (SELECT count(*) FROM hygiene WHERE scenario = $s) AS hygiene_requests,
        (SELECT coalesce(sum(lost_tokens), 0) FROM hygiene WHERE scenario = $s) AS lost_tokens,
-       (SELECT sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote'))
-               / sum(tokens)
-        FROM miss_ledger WHERE scenario = $s) AS hit_ratio,
+       (SELECT sum(hit_tokens) / sum(prompt_tokens) FROM request_ledger WHERE scenario = $s) AS hit_ratio,
        (SELECT coalesce(sum(read_bytes), 0) FROM flows WHERE scenario = $s AND tier = 'pool')
            AS pool_read_bytes
 """
@@ -126,7 +124,7 @@ def _agent_lines(db: Path) -> list[str]:
     requests, lost, hit, pool_read = row
     lines = ["", "Synthetic agent service (sample_data/agents.py, planted faults), "
                  f"scenario {AGENT_WHAT_IF!r}:",
-             f"  hit ratio {hit or 0:.1%} of full-block tokens; "
+             f"  hit ratio {hit or 0:.1%} of prompt tokens; "
              f"{pool_read / 2**30:.1f} GiB loaded from the pool",
              f"  prompt hygiene: {requests:,} requests split early before repeated content, "
              f"{lost:,} tokens lost"]

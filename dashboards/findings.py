@@ -1,0 +1,317 @@
+"""Dashboards: the report's top findings, as sentences computed from the analysis DB.
+
+Each finder reads one analysis (the ledger, the what-if scenarios beside it, capacity, latency
+tails, prefix ranking, hygiene, isolation, flows, warm-up) and says nothing when its table is
+absent or empty: a finding is never made up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import duckdb
+
+from dashboards.report_data import Window, has_rows, rows
+
+__all__ = ["CAUSES", "findings", "fmt_bytes", "fmt_ms", "fmt_pct"]
+
+# Why a block missed, in words (DESIGN.md section 1).
+CAUSES = {
+    "miss_routing": "the block lived on another replica",
+    "miss_evicted": "the block had been evicted",
+    "miss_cold": "the block had never been computed before",
+    "miss_incompatible": "the block was cached under another cache key",
+    "miss_load_failed": "loading the block failed",
+    "miss_after_gap": "KV events were lost around it (a sequence gap)",
+}
+_ACTIONABLE = tuple(c for c in CAUSES if c != "miss_cold")
+_HITS = "('hit_local', 'hit_offload', 'hit_remote')"
+_IN_WINDOW = "list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end"
+
+
+def fmt_pct(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.1%}"
+
+
+def fmt_ms(ms: float | None) -> str:
+    """Seconds from one second up, milliseconds below."""
+    if ms is None:
+        return "n/a"
+    return f"{ms / 1e3:,.2f} s" if abs(ms) >= 1000 else f"{ms:.1f} ms"
+
+
+def fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+WORST_REPLICA_SQL = f"""
+WITH per AS (
+    SELECT scenario, replica, CAST(outcome AS VARCHAR) AS outcome, sum(tokens) AS tokens
+    FROM block_outcomes WHERE {_IN_WINDOW} GROUP BY ALL
+), prompt AS (
+    SELECT scenario, replica, sum(prompt_tokens) AS prompt_tokens FROM request_ledger
+    WHERE {_IN_WINDOW} GROUP BY ALL
+), fleet AS (
+    SELECT scenario, sum(prompt_tokens) AS prompt_tokens FROM prompt GROUP BY ALL
+), cause AS (
+    SELECT scenario, outcome, sum(tokens) AS tokens FROM per GROUP BY ALL
+), top_cause AS (
+    SELECT c.scenario, c.outcome, c.tokens / f.prompt_tokens AS fleet_share
+    FROM cause c JOIN fleet f USING (scenario) WHERE list_contains($actionable, c.outcome)
+    QUALIFY row_number() OVER (PARTITION BY c.scenario ORDER BY c.tokens DESC, c.outcome) = 1
+)
+SELECT t.scenario, t.outcome, t.fleet_share, p.replica, per.tokens / p.prompt_tokens AS replica_share
+FROM top_cause t JOIN per USING (scenario, outcome) JOIN prompt p USING (scenario, replica)
+WHERE t.fleet_share > 0
+QUALIFY row_number() OVER (PARTITION BY t.scenario ORDER BY replica_share DESC, p.replica) = 1
+ORDER BY t.scenario
+"""
+
+# The same blocks (request, position, key) in the other scenarios: what they got there.
+WHAT_IF_SQL = f"""
+SELECT b.scenario, sum(a.tokens), sum(a.tokens) FILTER (WHERE b.outcome IN {_HITS})
+FROM block_outcomes a JOIN block_outcomes b
+  ON a.request_id = b.request_id AND a.position = b.position AND a.block_hash = b.block_hash
+WHERE a.scenario = $scenario AND a.replica = $replica AND a.outcome = $outcome
+  AND a.arrival_ns >= $start AND a.arrival_ns < $end
+  AND b.scenario <> $scenario AND list_contains($names, b.scenario)
+GROUP BY b.scenario ORDER BY b.scenario
+"""
+
+Context = dict[str, Any]
+
+
+def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    out = []
+    for scenario, outcome, fleet_share, replica, replica_share in rows(con, WORST_REPLICA_SQL, p):
+        text = (f"In {scenario}, {fmt_pct(fleet_share)} of prompt tokens missed because "
+                f"{CAUSES[outcome]} ({outcome}); the worst replica is {replica}, where it cost "
+                f"{fmt_pct(replica_share)} of its prompt tokens.")
+        served = [(s, (hit or 0) / total) for s, total, hit in rows(
+            con, WHAT_IF_SQL, {**p, "scenario": scenario, "replica": replica, "outcome": outcome})
+            if total]
+        if served:
+            text += " Of those tokens, " + ", ".join(
+                f"{s} served {fmt_pct(r)}" for s, r in served) + " (the same requests replayed there)."
+        out.append(text)
+    return out
+
+
+COMPARE_SQL = f"""
+SELECT scenario, sum(hit_tokens) / sum(prompt_tokens) AS ratio FROM request_ledger
+WHERE {_IN_WINDOW} GROUP BY ALL HAVING sum(prompt_tokens) > 0 ORDER BY ratio DESC, scenario
+"""
+
+
+def _compare_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    ranked = rows(con, COMPARE_SQL, p)
+    if len(ranked) < 2:
+        return []
+    (best, hi), (worst, lo) = ranked[0], ranked[-1]
+    return [f"{best} has the highest token hit ratio ({fmt_pct(hi)}), {(hi - lo) * 100:.1f} points "
+            f"above {worst} ({fmt_pct(lo)})."]
+
+
+COLD_SQL = f"""
+SELECT b.scenario, sum(b.tokens) FILTER (WHERE b.outcome = 'miss_cold') / any_value(r.prompt_tokens)
+FROM block_outcomes b JOIN (
+    SELECT scenario, sum(prompt_tokens) AS prompt_tokens FROM request_ledger WHERE {_IN_WINDOW}
+    GROUP BY ALL) r USING (scenario)
+WHERE list_contains($names, b.scenario) AND b.arrival_ns >= $start AND b.arrival_ns < $end
+GROUP BY b.scenario ORDER BY b.scenario
+"""
+
+
+def _cold_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    shares = [(s, r) for s, r in rows(con, COLD_SQL, p) if r]
+    if not shares:
+        return []
+    if len(shares) > 1 and max(r for _, r in shares) - min(r for _, r in shares) < 0.0005:
+        where = "every scenario"
+    else:
+        return [f"In {s}, {fmt_pct(r)} of prompt tokens were needed for the first time (miss_cold): "
+                "no cache could have served them." for s, r in shares]
+    return [f"In {where}, {fmt_pct(shares[0][1])} of prompt tokens were needed for the first time "
+            "(miss_cold): no cache could have served them."]
+
+
+CAPACITY_SQL = """
+SELECT list(scenario ORDER BY scenario), c_eff_bytes, hit_ratio_bytes_at_eff, hit_ratio_bytes_at_2x_eff
+FROM capacity WHERE list_contains($names, scenario) AND hit_ratio_bytes_at_eff IS NOT NULL
+GROUP BY ALL ORDER BY 1
+"""
+
+
+def _capacity_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    out = []
+    for names, c_eff, at, at2 in rows(con, CAPACITY_SQL, p):
+        who = "every scenario" if len(names) == len(p["names"]) > 1 else ", ".join(names)
+        out.append(f"Capacity ({who}, whole scenario): the effective cache of {fmt_bytes(c_eff)} as one "
+                   f"shared LRU serves {fmt_pct(at)} of prompt bytes; doubling it would serve "
+                   f"{fmt_pct(at2)} ({(at2 - at) * 100:+.1f} points).")
+    return out
+
+
+LATENCY_SQL = """
+SELECT scenario, prefix_class, requests, ttft_p50_ms, ttft_p99_ms, p99_p50_ratio FROM latency_tails
+WHERE list_contains($names, scenario) AND replica = '*' AND window_start_ns IS NULL
+  AND prefix_class <> 'all' AND ttft_p99_ms IS NOT NULL
+ORDER BY ttft_p99_ms DESC, scenario, prefix_class LIMIT 1
+"""
+
+
+def _latency_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    out = []
+    for scenario, cls, n, p50, p99, ratio in rows(con, LATENCY_SQL, p):
+        flag = " (a tail ratio above 5)" if ratio is not None and ratio > 5 else ""
+        ratio_text = f", {ratio:.1f}x their P50 of {fmt_ms(p50)}{flag}" if ratio is not None else ""
+        out.append(f"In {scenario}, the slowest prefix class is {cls} ({n:,} requests, whole scenario): "
+                   f"TTFT P99 {fmt_ms(p99)}{ratio_text}.")
+    return out
+
+
+PREFIX_SQL = """
+SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, benefit_ms, recommendation, reason,
+       recompute_label, remote_label
+FROM prefix_ranking WHERE list_contains($names, scenario) AND benefit_ms > 0
+ORDER BY benefit_ms DESC NULLS LAST, scenario, prefix_hash LIMIT 1
+"""
+
+
+def _labels(recompute: str | None, load: str | None) -> str:
+    said = [f"{w} {label}" for w, label in (("recompute", recompute), ("load", load)) if label]
+    return f" ({', '.join(said)})" if said else ""
+
+
+def _prefix_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    return [f"In {s}, the prefix worth most is {h:016x} ({tok:,} tokens, {reuses:,} re-accesses on "
+            f"{reps:,} replicas): {rec}, an expected {(ms or 0) / 1e3:,.1f} s of prefill saved"
+            f"{_labels(rl, ll)}; {str(reason).rstrip('.')}."
+            for s, h, tok, reuses, reps, ms, rec, reason, rl, ll in rows(con, PREFIX_SQL, p)]
+
+
+HYGIENE_SQL = """
+SELECT scenario, count(*), sum(lost_tokens), sum(lost_bytes) FROM hygiene
+WHERE list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end
+GROUP BY ALL ORDER BY 3 DESC, 1 LIMIT 1
+"""
+
+
+def _hygiene_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    return [f"In {s}, {n:,} requests split their prefix chain early: moving the dynamic part to the end "
+            f"would make {tok or 0:,} more tokens ({fmt_bytes(b)}) reusable."
+            for s, n, tok, b in rows(con, HYGIENE_SQL, p)]
+
+
+ISOLATION_SQL = """
+SELECT scenario, finding, any_value(severity), count(*), sum(blocks),
+       arg_min(detail, CASE severity WHEN 'high' THEN 0 WHEN 'medium' THEN 1 ELSE 2 END)
+FROM isolation_findings WHERE list_contains($names, scenario) GROUP BY ALL
+ORDER BY min(CASE severity WHEN 'high' THEN 0 WHEN 'medium' THEN 1 ELSE 2 END), sum(blocks) DESC, 1, 2 LIMIT 3
+"""
+
+
+def _isolation_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    return [f"In {s}, {n:,} {finding} finding(s){f' (severity {sev})' if sev else ''} over {blocks or 0:,} "
+            f"blocks, e.g. {detail}" + ("" if str(detail).endswith(".") else ".")
+            for s, finding, sev, n, blocks, detail in rows(con, ISOLATION_SQL, p)]
+
+
+FLOWS_SQL = """
+SELECT scenario, CAST(tier AS VARCHAR), sum(write_bytes), sum(never_read_bytes) FROM flows
+WHERE list_contains($names, scenario) AND window_start_ns >= $start AND window_start_ns < $end
+GROUP BY ALL HAVING sum(never_read_bytes) > 0
+ORDER BY sum(never_read_bytes) / sum(write_bytes) DESC NULLS LAST, 1, 2 LIMIT 1
+"""
+
+
+def _flow_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    return [f"In {s}, {fmt_bytes(never)} of the {fmt_bytes(written)} written to the {tier} tier were "
+            f"removed without ever being read ({fmt_pct(never / written if written else None)})."
+            for s, tier, written, never in rows(con, FLOWS_SQL, p)]
+
+
+WARMUP_SQL = """
+SELECT scenario, replica, steady_after_ns, prewarm_bytes, saved_tokens FROM warmup
+WHERE list_contains($names, scenario) AND steady_after_ns IS NOT NULL
+ORDER BY steady_after_ns DESC, scenario, replica LIMIT 1
+"""
+
+
+def _warmup_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    out = []
+    for s, r, ns, b, saved in rows(con, WARMUP_SQL, p):
+        text = (f"In {s}, {r} took the longest to warm up: {ns / 60e9:.1f} min to the fleet's steady hit "
+                f"ratio; pre-warming its hot prefixes would move {fmt_bytes(b)}")
+        out.append(text + (f" and save {saved:,} recomputed tokens." if saved else "."))
+    return out
+
+
+CROSSOVER_SQL = """
+SELECT device, model, path, min(prefix_tokens) FILTER (WHERE winner = 'load') AS from_tokens,
+       max(prefix_tokens), string_agg(DISTINCT load_label, '/'), string_agg(DISTINCT recompute_label, '/')
+FROM crossover WHERE list_contains($names, scenario)
+GROUP BY ALL ORDER BY 1, 2, 3
+"""
+
+
+def _crossover_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    by_device: dict[tuple[str, str], list[str]] = {}
+    labels: dict[tuple[str, str], set[str]] = {}
+    for device, model, path, from_tokens, longest, load_label, rec_label in rows(con, CROSSOVER_SQL, p):
+        said = (f"never over {path} (up to {longest:,} tokens)" if from_tokens is None
+                else f"from {from_tokens:,} tokens over {path}")
+        by_device.setdefault((device, model), []).append(said)
+        labels.setdefault((device, model), set()).update(
+            f"{w} {x}" for w, lab in (("load", load_label), ("recompute", rec_label)) for x in lab.split("/"))
+    return [f"On {device} ({model}), loading a prefix beats recomputing it {', '.join(said)} "
+            f"({', '.join(sorted(labels[(device, model)]))})."
+            for (device, model), said in by_device.items()]
+
+
+FANOUT_SQL = """
+SELECT scenario, sum(needed_blocks), sum(shared_blocks), max(fanout_max_replicas), sum(duplicate_bytes)
+FROM fanout WHERE list_contains($names, scenario) AND window_start_ns >= $start AND window_start_ns < $end
+GROUP BY ALL HAVING sum(shared_blocks) > 0 ORDER BY sum(duplicate_bytes) DESC, 1 LIMIT 1
+"""
+
+
+def _fanout_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    return [f"In {s}, {shared:,} of {needed:,} distinct blocks needed per window "
+            f"({fmt_pct(shared / needed if needed else None)}) were needed by two replicas or more "
+            f"(up to {most:,}): {fmt_bytes(dup)} of KV held or computed more than once."
+            for s, needed, shared, most, dup in rows(con, FANOUT_SQL, p)]
+
+
+# (table whose rows the finder needs, finder), in the order the report lists them.
+FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], list[str]]], ...] = (
+    ("block_outcomes", _ledger_findings),
+    ("request_ledger", _compare_findings),
+    ("block_outcomes", _cold_findings),
+    ("latency_tails", _latency_findings),
+    ("prefix_ranking", _prefix_findings),
+    ("flows", _flow_findings),
+    ("fanout", _fanout_findings),
+    ("hygiene", _hygiene_findings),
+    ("isolation_findings", _isolation_findings),
+    ("warmup", _warmup_findings),
+    ("crossover", _crossover_findings),
+    ("capacity", _capacity_findings),
+)
+
+
+def findings(con: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> list[str]:
+    """The findings for the window's requests, one sentence (or two) each, most important first."""
+    p: Context = {"names": names, "start": window.start_ns, "end": window.end_ns,
+                  "actionable": list(_ACTIONABLE)}
+    out: list[str] = []
+    for table, finder in FINDERS:
+        if has_rows(con, table):
+            out += finder(con, p)
+    return out
