@@ -342,7 +342,8 @@ def test_kill_9_mid_stream_then_restart_exactly_once(ctx: zmq.Context[Any], tmp_
         for i in range(n // 2):
             e.publish(payloads[i])
         _wait(lambda: (lake / "kv_events").exists() and any((lake / "kv_events").rglob("*.parquet")), 20)
-        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
         assert "kvlens_collector_received_batches_total" in text
         assert "kvlens_collector_ingest_lag_seconds" in text
         proc.send_signal(signal.SIGKILL)

@@ -69,7 +69,8 @@ def _post(url: str, body: bytes, content_type: str = "application/x-protobuf",
         with urllib.request.urlopen(urllib.request.Request(url, data=body, headers=headers), timeout=10) as r:
             return r.status, r.read()
     except urllib.error.HTTPError as e:
-        return e.code, e.read()
+        with e:  # an unclosed error response leaks its socket into a later test's warnings
+            return e.code, e.read()
 
 
 def _sdk_spans(n: int) -> list[ReadableSpan]:
@@ -170,7 +171,8 @@ def test_bad_bodies_get_their_status_and_the_receiver_keeps_serving(receiver: Ot
     conn.close()
     status, reply = _post(url, b"\xff" * 3)
     assert reply[:2] == b"\x08\x03"  # a google.rpc.Status, code INVALID_ARGUMENT
-    metrics = urllib.request.urlopen(_url(receiver, "/metrics"), timeout=10).read().decode()
+    with urllib.request.urlopen(_url(receiver, "/metrics"), timeout=10) as r:
+        metrics = r.read().decode()
     assert 'kvlens_otlp_http_responses_total{status="413"} 2.0' in metrics
     receiver.stop()
     assert _query(tmp_path / "lake", "SELECT count(*), count(DISTINCT request_id) FROM requests") == [
