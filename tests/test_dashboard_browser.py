@@ -20,6 +20,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from test_dashboard import PAGE_TABLES
 
 from dashboards.app import PAGES
 from dashboards.queries import table_rows
@@ -40,19 +41,6 @@ CHROME_ARGS = (
     "--window-size=1400,1100",
 )
 WAIT_S = 45
-# The table each page draws its chart from; without rows the page says "no rows yet" instead.
-PAGE_TABLES = {
-    "overview": "miss_ledger",
-    "misses": "block_outcomes",
-    "prefixes": "prefix_ranking",
-    "capacity": "mrc",
-    "flows": "flows",
-    "latency": "latency_tails",
-    "whatif": "miss_ledger",
-    "probe": "crossover",
-    "audit": "isolation_findings",
-    "hygiene": "hygiene",
-}
 CHART = '[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg'
 EXCEPTION = '[data-testid="stException"]'
 
