@@ -556,25 +556,38 @@ def _smtp_settings(smtp: str, starttls: bool, user: str | None, password_env: st
 @click.option("--scenario", "scenarios", multiple=True, help="Scenario to report (repeat); default: all.")
 @click.option("--email-to", default=None, metavar="ADDR[,ADDR]", help="Also send it to these addresses.")
 @click.option("--smtp", default=None, metavar="HOST:PORT", help="SMTP server for --email-to.")
-@click.option("--starttls", is_flag=True, help="Upgrade the SMTP connection with STARTTLS.")
+@click.option("--starttls/--no-starttls", default=None, help="Upgrade the SMTP connection with STARTTLS.")
 @click.option("--user", default=None, help="SMTP login user (needs --password-env).")
 @click.option("--password-env", default=None, metavar="VAR",
               help="Environment variable holding the password.")
-@click.option("--from", "sender", default="kvlens@localhost", show_default=True, help="Sender address.")
+@click.option("--from", "sender", default=None, help="Sender address (default: kvlens@localhost).")
 @click.option("--subject", default=None, help="Subject (default: 'kvlens report, <window end>').")
+@click.option("--config", default=None, type=click.Path(dir_okay=False),
+              help="kvlens.toml whose [smtp] table gives what the email flags do not.")
 def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[str, ...],
-               email_to: str | None, smtp: str | None, starttls: bool, user: str | None,
-               password_env: str | None, sender: str, subject: str | None) -> None:
+               email_to: str | None, smtp: str | None, starttls: bool | None, user: str | None,
+               password_env: str | None, sender: str | None, subject: str | None, config: str | None) -> None:
     """Write the report (headline ratios, ledger chart, findings, change) as HTML; optionally email it.
 
     Example: kvlens report --db kvlens.duckdb --out report.html --email-to ops@example.com --smtp mail:25
     """
     from dashboards.report import build_report, parse_duration_ns, save_html
+    from kvlens.config import load_config
     from kvlens.errors import ConfigError
 
+    file = load_config(config).smtp if config else None
+    if file is not None:  # flags override the file, field by field
+        smtp = smtp or file.server
+        email_to = email_to or (",".join(file.to) if file.to else None)
+        starttls = file.starttls if starttls is None else starttls
+        if user is None and password_env is None:
+            user, password_env = file.user, file.password_env
+        sender = sender or file.sender
+    sender = sender or "kvlens@localhost"
     if (email_to is None) != (smtp is None):
-        raise ConfigError("--email-to and --smtp go together: pass both to send the report, or neither")
-    settings = _smtp_settings(smtp, starttls, user, password_env) if smtp else None
+        raise ConfigError("--email-to and --smtp go together (or to and server in the --config file's "
+                          "[smtp]): give both to send the report, or neither")
+    settings = _smtp_settings(smtp, bool(starttls), user, password_env) if smtp else None
     report = build_report(db, since_ns=parse_duration_ns(since), now_ns=_parse_now(now),
                           scenarios=list(scenarios) or None)
     path = save_html(report, out)

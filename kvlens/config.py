@@ -9,6 +9,14 @@ model = "llama-3.1-8b"                        # optional
 topic = ""                                    # subscription prefix (optional)
 bind = false                                  # true: the collector binds, the engine connects
 metrics_url = "http://10.0.0.5:8000/metrics"  # optional, for scrapers
+
+[smtp]                                        # for kvlens report --config (the nightly email)
+server = "smtp.example.com:587"
+starttls = true
+user = "kvlens"                               # optional; needs password_env
+password_env = "KVLENS_SMTP_PASSWORD"         # the variable holding the password, never the password
+from = "kvlens@example.com"
+to = ["ops@example.com", "kv-team@example.com"]
 ```
 
 CLI flags override what the file says.
@@ -23,7 +31,7 @@ from typing import Any
 
 from kvlens.errors import ConfigError
 
-__all__ = ["Config", "ReplicaConfig", "load_config"]
+__all__ = ["Config", "ReplicaConfig", "SmtpConfig", "load_config"]
 
 
 @dataclass(frozen=True)
@@ -38,8 +46,21 @@ class ReplicaConfig:
 
 
 @dataclass(frozen=True)
+class SmtpConfig:
+    """Where ``kvlens report`` sends its email; every field may be overridden by a flag."""
+
+    server: str | None = None  # HOST:PORT
+    starttls: bool = False
+    user: str | None = None
+    password_env: str | None = None
+    sender: str | None = None  # the file's ``from``
+    to: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class Config:
     replicas: tuple[ReplicaConfig, ...] = ()
+    smtp: SmtpConfig | None = None
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -64,6 +85,35 @@ def _replica(entry: Any, where: str) -> ReplicaConfig:
                          **{k: entry.get(k) for k in ("name", "replay_endpoint", "model", "metrics_url")})
 
 
+_SMTP_STR_KEYS = ("server", "user", "password_env", "from")
+
+
+def _smtp(entry: Any, where: str) -> SmtpConfig:
+    if not isinstance(entry, dict):
+        raise ConfigError(f"{where}: [smtp] must be a table (server = \"HOST:PORT\", to = [...])")
+    unknown = set(entry) - {"starttls", "to", "password", *_SMTP_STR_KEYS}
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}: remove or rename them")
+    if "password" in entry:
+        raise ConfigError(f"{where}: a password is never read from the file: put it in an environment "
+                          "variable and name that variable in password_env")
+    for key in _SMTP_STR_KEYS:
+        if key in entry and not isinstance(entry[key], str):
+            raise ConfigError(f"{where}: {key} must be a string")
+    if not isinstance(entry.get("starttls", False), bool):
+        raise ConfigError(f"{where}: starttls must be true or false")
+    to = entry.get("to", [])
+    if isinstance(to, str):
+        to = [to]
+    if not isinstance(to, list) or not all(isinstance(a, str) and "@" in a for a in to):
+        raise ConfigError(f"{where}: to must be a list of addresses such as [\"ops@example.com\"]")
+    if ("user" in entry) != ("password_env" in entry):
+        raise ConfigError(f"{where}: user and password_env go together")
+    return SmtpConfig(server=entry.get("server"), starttls=entry.get("starttls", False),
+                      user=entry.get("user"), password_env=entry.get("password_env"),
+                      sender=entry.get("from"), to=tuple(to))
+
+
 def load_config(path: str | Path) -> Config:
     """Read ``kvlens.toml``; a missing file or a bad entry is a ConfigError naming it."""
     p = Path(path)
@@ -81,4 +131,5 @@ def load_config(path: str | Path) -> Config:
     names = [r.name for r in replicas if r.name]
     if len(names) != len(set(names)):
         raise ConfigError(f"{p}: replica names repeat: {sorted(names)}; give each its own name")
-    return Config(replicas=replicas, raw=raw)
+    smtp = _smtp(raw["smtp"], f"{p} [smtp]") if "smtp" in raw else None
+    return Config(replicas=replicas, smtp=smtp, raw=raw)

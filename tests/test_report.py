@@ -249,6 +249,59 @@ def test_email_through_smtp_with_login(tiny_db: Path, tmp_path: Path,
     assert "refused the login of 'kv'" in bad.output
 
 
+def test_email_settings_from_the_config_file_and_flags_over_them(tiny_db: Path, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiosmtpd.controller import Controller
+    from aiosmtpd.smtp import AuthResult
+
+    logins: list[bytes] = []
+
+    def authenticate(server: Any, session: Any, envelope: Any, mechanism: str, data: Any) -> AuthResult:
+        logins.append(data.login)
+        return AuthResult(success=data.password == b"from-env", handled=False)
+
+    inbox, port = _Inbox(), _free_port()
+    toml = tmp_path / "kvlens.toml"
+    toml.write_text(f"""
+[smtp]
+server = "127.0.0.1:{port}"
+user = "nightly"
+password_env = "KVLENS_TEST_SMTP_PASSWORD"
+from = "kvlens@x.org"
+to = ["ops@x.org", "kv@x.org"]
+""")
+    ctl = Controller(inbox, hostname="127.0.0.1", port=port, authenticator=authenticate,
+                     auth_require_tls=False)
+    ctl.start()
+    try:
+        monkeypatch.setenv("KVLENS_TEST_SMTP_PASSWORD", "from-env")
+        base = ["report", "--db", str(tiny_db), "--out", str(tmp_path / "r.html"), "--config", str(toml)]
+        from_file = CliRunner().invoke(cli, base)
+        overridden = CliRunner().invoke(cli, [*base, "--email-to", "oncall@x.org", "--from", "night@x.org"])
+    finally:
+        ctl.stop()
+    assert from_file.exit_code == 0 and overridden.exit_code == 0, from_file.output + overridden.output
+    assert logins == [b"nightly", b"nightly"]
+    assert [rcpt for rcpt, _ in inbox.messages] == [["ops@x.org", "kv@x.org"], ["oncall@x.org"]]
+    senders = [email.message_from_bytes(raw)["From"] for _, raw in inbox.messages]
+    assert senders == ["kvlens@x.org", "night@x.org"]
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ('[smtp]\nserver = "h:25"\npassword = "x"\n', "never read from the file"),
+    ('[smtp]\nserver = "h:25"\nto = ["not-an-address"]\n', "to must be a list of addresses"),
+    ('[smtp]\nserver = "h:25"\nuser = "u"\n', "user and password_env go together"),
+    ('[smtp]\nsrever = "h:25"\n', "unknown key(s) ['srever']"),
+])
+def test_bad_smtp_config_is_one_line(body: str, message: str, tiny_db: Path, tmp_path: Path) -> None:
+    toml = tmp_path / "kvlens.toml"
+    toml.write_text(body)
+    result = CliRunner().invoke(cli, ["report", "--db", str(tiny_db), "--out", str(tmp_path / "r.html"),
+                                      "--config", str(toml)])
+    assert result.exit_code == 1 and message in result.output
+    assert _error_lines(result.output) == [result.output.splitlines()[-1]]
+
+
 def _error_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("Error: ")]
 
