@@ -77,7 +77,7 @@ def _cross_tenant(tenants: pl.DataFrame, blocks: pl.DataFrame, outcomes: pl.Data
             "finding": "cross_tenant_reuse", "severity": Severity.HIGH.value,
             "subject": f"{r['owner']} -> {r['tenant']}", "blocks": r["blocks"], "tokens": r["tokens"],
             "bytes": r["tokens"] * bytes_per_token, "requests": r["requests"],
-            "detail": f"{r['blocks']} cache hits ({r['tokens']:,} tokens) in {r['requests']} requests of "
+            "detail": f"{r['blocks']:,} cache hits ({r['tokens']:,} tokens) in {r['requests']:,} requests of "
                       f"tenant {r['tenant']} were served from blocks first computed for tenant {r['owner']}: "
                       f"the tenants share cache keys; {_SALT_ADVICE}."})
     crossed = set(hits["block_hash"].to_list())
@@ -94,8 +94,8 @@ def _cross_tenant(tenants: pl.DataFrame, blocks: pl.DataFrame, outcomes: pl.Data
             "finding": "cross_tenant_keys", "severity": Severity.MEDIUM.value, "subject": r["subject"],
             "blocks": r["blocks"], "tokens": r["tokens"], "bytes": r["tokens"] * bytes_per_token,
             "requests": r["requests"],
-            "detail": f"{r['blocks']} block keys ({r['tokens']:,} tokens) were needed by tenants "
-                      f"{r['subject']} ({r['requests']} requests), with no hit across tenants yet: their "
+            "detail": f"{r['blocks']:,} block keys ({r['tokens']:,} tokens) were needed by tenants "
+                      f"{r['subject']} ({r['requests']:,} requests), with no hit across tenants yet: their "
                       f"prompts map to the same cache keys; {_SALT_ADVICE}."})
     return out
 
@@ -139,7 +139,7 @@ def _incompatible(outcomes: pl.DataFrame, spaces: pl.DataFrame,
             "finding": "incompatible_keys", "severity": Severity.MEDIUM.value,
             "subject": f"{r['namespace']} vs {r['key_diff']}", "blocks": r["blocks"], "tokens": r["tokens"],
             "bytes": r["tokens"] * bytes_per_token, "requests": r["requests"],
-            "detail": f"{r['blocks']} blocks ({r['tokens']:,} tokens, {r['requests']} requests) needed "
+            "detail": f"{r['blocks']:,} blocks ({r['tokens']:,} tokens, {r['requests']:,} requests) needed "
                       f"under namespace {r['namespace']} were recomputed although the same token content was "
                       f"stored under {r['key_diff']} (they differ in "
                       f"{_name_diff(r['namespace'], r['key_diff'])}); "
@@ -158,7 +158,7 @@ def _different_keys(keys: pl.DataFrame, what: str) -> list[dict[str, object]]:
              .sort("label", "label_b"))
     return [{"finding": "same_content_different_keys", "severity": Severity.MEDIUM.value,
              "subject": f"{r['label']} vs {r['label_b']}", "blocks": r["blocks"],
-             "detail": f"{what} {r['label']} and {r['label_b']} keyed {r['blocks']} blocks of identical "
+             "detail": f"{what} {r['label']} and {r['label_b']} keyed {r['blocks']:,} blocks of identical "
                        "token content to different block hashes: hash algorithm, seed, model revision or "
                        "cache salt differ, so they can never share these blocks."}
             for r in pairs.iter_rows(named=True)]
@@ -176,7 +176,7 @@ def _block_sizes(router: pl.DataFrame, events: pl.DataFrame) -> list[dict[str, o
             out.append({
                 "finding": "block_size_mismatch", "severity": Severity.HIGH.value, "subject": r["replica"],
                 "blocks": r["blocks"],
-                "detail": f"replica {r['replica']} stored {r['blocks']} blocks of "
+                "detail": f"replica {r['replica']} stored {r['blocks']:,} blocks of "
                           f"{', '.join(map(str, r['sizes']))} tokens, but the router keys prompts in "
                           f"blocks of {', '.join(map(str, router_sizes))} tokens: none of its keys can match "
                           "the router's; configure one block size."})
