@@ -361,3 +361,24 @@ def hygiene_chart(
         )
     )
     return _sized(chart, title)
+
+
+def reconciliation_chart(frame: pl.DataFrame, *, title: str = "Hit tokens: engine counters against the ledger"
+                         ) -> alt.Chart:
+    """Grouped bars per ``replica``: ``engine_hit_tokens``, ``ledger_hit_tokens`` and, when known,
+    ``reported_cached_tokens``."""
+    cols = [c for c in ("engine_hit_tokens", "ledger_hit_tokens", "reported_cached_tokens")
+            if c in frame.columns and frame[c].null_count() < frame.height]
+    data = frame.unpivot(index="replica", on=cols, variable_name="source", value_name="tokens")
+    chart = (
+        alt.Chart(data)
+        .mark_bar()
+        .encode(
+            x=alt.X("replica:N", title="replica"),
+            xOffset=alt.XOffset("source:N"),
+            y=alt.Y("tokens:Q", title="hit tokens"),
+            color=alt.Color("source:N", title="source"),
+            tooltip=["replica:N", "source:N", alt.Tooltip("tokens:Q", format=",")],
+        )
+    )
+    return _sized(chart, title)

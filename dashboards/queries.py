@@ -181,3 +181,21 @@ GROUP BY 1 ORDER BY 1
 def trend(cur: duckdb.DuckDBPyConnection, window: Window, bucket_ns: int) -> pl.DataFrame:
     """``bucket`` (datetime), ``requests``, ``prompt_tokens``, ``hit_tokens``, ``token_hit_ratio``."""
     return fetch(cur, TREND_SQL, window.params(bucket_ns=bucket_ns))
+
+
+RECONCILIATION_SQL = """
+SELECT replica, sum(engine_queries_tokens) AS engine_queries_tokens,
+       sum(engine_hit_tokens + coalesce(engine_external_hit_tokens, 0)) AS engine_hit_tokens,
+       sum(ledger_hit_tokens) AS ledger_hit_tokens, sum(reported_cached_tokens) AS reported_cached_tokens,
+       sum(difference_tokens) AS difference_tokens,
+       sum(difference_tokens) / nullif(sum(engine_hit_tokens + coalesce(engine_external_hit_tokens, 0)), 0)
+           AS difference_ratio,
+       sum(counter_resets) AS counter_resets
+FROM reconciliation WHERE scenario = $scenario
+GROUP BY replica ORDER BY replica
+"""
+
+
+def reconciliation(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFrame:
+    """Per replica: the engines' own prefix-cache hit counters beside the ledger's hit tokens."""
+    return fetch(cur, RECONCILIATION_SQL, {"scenario": scenario})

@@ -258,6 +258,15 @@ def planted_db(db: str, tmp_path_factory: pytest.TempPathFactory) -> str:
             SELECT min(scenario), 'cross_tenant_reuse', 'tenant-a, tenant-b', 7,
                    '7 blocks stored by tenant-a were reused by tenant-b' FROM scenarios
         """)
+        # Two replicas' scraped counters: one engine counted 24 external hits the ledger lacks.
+        con.execute("""
+            INSERT INTO reconciliation (scenario, replica, engine_queries_tokens, engine_hit_tokens,
+                                        engine_external_hit_tokens, counter_resets, ledger_hit_tokens,
+                                        reported_cached_tokens, difference_tokens, difference_ratio)
+            SELECT (SELECT min(scenario) FROM scenarios), v.* FROM (VALUES
+                ('replica-0', 4000, 1000, 24, 0, 1000, 1000, 24, 24 / 1024),
+                ('replica-1', 2000, 500, 0, 1, 520, NULL, -20, -20 / 500)) v
+        """)
     finally:
         con.close()
     return str(path)
@@ -272,6 +281,18 @@ def test_hygiene_page_on_planted_rows(planted_db: str) -> None:
     assert len(at.dataframe[-1].value) == 6
     groups = at.dataframe[0].value
     assert list(groups["requests"]) == [6] and list(groups["first_request_id"]) == ["first-of-group"]
+
+
+def test_overview_sets_engine_counters_beside_the_ledger(db: str, planted_db: str) -> None:
+    plain = _page(db, "overview")
+    assert not any(h.value == "Engine counters against the ledger" for h in plain.subheader)
+    at = _page(planted_db, "overview")
+    assert not at.exception
+    assert any(h.value == "Engine counters against the ledger" for h in at.subheader)
+    table = at.dataframe[-1].value
+    assert list(table["replica"]) == ["replica-0", "replica-1"]
+    assert list(table["engine_hit_tokens"]) == [1024, 500]  # local + external
+    assert list(table["difference_ratio"]) == pytest.approx([24 / 1024, -20 / 500])
 
 
 def test_audit_page_on_planted_rows(planted_db: str) -> None:

@@ -12,6 +12,7 @@ from dashboards.queries import (
     hit_ratios,
     ledger_by_outcome,
     pick_bucket_ns,
+    reconciliation,
     scenario_span_ns,
     trend,
 )
@@ -80,6 +81,20 @@ def overview(ctx: Context) -> None:
     )
     if not has_rows(ctx, "latency_tails"):
         no_rows(ctx, "latency_tails")
+    if has_rows(ctx, "reconciliation"):  # only where the engines' /metrics were scraped
+        _reconciliation(ctx)
+
+
+def _reconciliation(ctx: Context) -> None:
+    """The engines' own prefix-cache hit counters beside the ledger (kvlens analyze --metrics-from)."""
+    st.subheader("Engine counters against the ledger")
+    st.caption("Increase of the engines' prefix-cache hit counters (local + external) over the scraped "
+               "span, beside the ledger's hit tokens and the per-request cached tokens the engines "
+               "reported; whole scenario.")
+    frame = reconciliation(ctx.cur, ctx.scenario)
+    show_chart(charts.reconciliation_chart(frame))
+    st.dataframe(frame, hide_index=True,
+                 column_config={"difference_ratio": st.column_config.NumberColumn(format="percent")})
 
 
 def misses(ctx: Context) -> None:
