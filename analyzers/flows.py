@@ -33,7 +33,7 @@ from typing import Literal
 import duckdb
 import polars as pl
 
-from kvlens.schema import Medium
+from kvlens.schema import HIT_OUTCOMES, Medium
 
 __all__ = ["flows"]
 
@@ -41,7 +41,6 @@ DEFAULT_WINDOW_NS = 15 * 60 * 1_000_000_000
 _LOWER = [Medium.CPU.value, Medium.DISK.value]
 # An origin naming one of these is a tier of the receiving replica; `pool` is the shared pool.
 _LOCAL_TIERS = [m.value for m in Medium if m != Medium.POOL]
-_HITS = ["hit_local", "hit_offload", "hit_remote"]
 _SUMS = ["read_bytes", "write_bytes", "replica_bytes", "never_read_bytes", "read_unwritten_bytes",
          "unread_resident_bytes"]
 _KEY = ["loc", "cls", "block_hash"]
@@ -110,7 +109,7 @@ def _reads(block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
            transfers: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
     queue_ns = (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64)
     lookup = request_ledger.select("request_id", lookup_ns=pl.col("arrival_ns") + queue_ns)
-    hits = (block_outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(_HITS))
+    hits = (block_outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(HIT_OUTCOMES))
             .with_columns(pl.col("block_hash").cast(pl.UInt64), outcome=pl.col("outcome").cast(pl.Utf8),
                           replica=pl.col("replica").cast(pl.Utf8).fill_null(""))
             .join(lookup.unique("request_id"), on="request_id", how="left")

@@ -26,11 +26,10 @@ import re
 import duckdb
 import polars as pl
 
-from kvlens.schema import Outcome, Severity
+from kvlens.schema import HIT_OUTCOMES, Outcome, Severity
 
 __all__ = ["isolation_findings"]
 
-_HITS = [Outcome.HIT_LOCAL.value, Outcome.HIT_OFFLOAD.value, Outcome.HIT_REMOTE.value]
 _SEVERITY_ORDER = {Severity.HIGH.value: 0, Severity.MEDIUM.value: 1, Severity.LOW.value: 2}
 _SCHEMA: dict[str, type[pl.DataType]] = {
     "scenario": pl.Utf8, "finding": pl.Utf8, "subject": pl.Utf8, "blocks": pl.Int64, "detail": pl.Utf8,
@@ -66,7 +65,7 @@ def _cross_tenant(tenants: pl.DataFrame, blocks: pl.DataFrame, outcomes: pl.Data
         return []
     first = (blocks.sort("arrival_ns", "request_id").group_by("block_hash", maintain_order=True)
              .agg(owner=pl.col("tenant").first()))
-    hits = (outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(_HITS))
+    hits = (outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(HIT_OUTCOMES))
             .join(tenants, on="request_id").join(first, on="block_hash")
             .filter(pl.col("owner") != pl.col("tenant")))
     out: list[dict[str, object]] = []

@@ -32,9 +32,10 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from kvlens.schema import HIT_OUTCOMES
+
 __all__ = ["warmup"]
 
-_HITS = ["hit_local", "hit_offload", "hit_remote"]
 _TOKENS = ("hit_tokens", "miss_tokens", "recomputed_last_tokens")
 _SCHEMA = {
     "scenario": pl.Utf8, "replica": pl.Utf8, "start_ns": pl.Int64, "start_kind": pl.Utf8,
@@ -87,7 +88,7 @@ def _steady(hit: np.ndarray, need: np.ndarray, target: float, window: int) -> in
 def _saved(outcomes: pl.DataFrame, request_ids: pl.Series, hot: pl.Series) -> int:
     blocks = outcomes.filter(pl.col("request_id").is_in(request_ids.implode())).sort("request_id", "position")
     outcome = pl.col("outcome").cast(pl.Utf8)
-    bad = (~(outcome.is_in(_HITS) | pl.col("block_hash").is_in(hot.implode()))).cast(pl.Int32)
+    bad = (~(outcome.is_in(HIT_OUTCOMES) | pl.col("block_hash").is_in(hot.implode()))).cast(pl.Int32)
     blocks = blocks.with_columns(before=bad.cum_sum().over("request_id") - bad)
     saved = blocks.filter(outcome.str.starts_with("miss_") & pl.col("block_hash").is_in(hot.implode())
                           & (pl.col("before") == 0))

@@ -16,6 +16,7 @@ import altair as alt
 import duckdb
 import streamlit as st
 
+from dashboards.findings import fmt_bytes as _fmt_bytes
 from dashboards.queries import Window, scenario_span_ns, scenarios, table_rows
 from kvlens.query import connect
 
@@ -133,14 +134,8 @@ def show_chart(chart: alt.Chart | alt.LayerChart) -> None:
 
 
 def fmt_bytes(n: Any) -> str:
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{value:,.1f} {unit}" if unit != "B" else f"{value:,.0f} B"
-        value /= 1024
-    return f"{value:,.1f} PiB"
+    """Sizes on the dashboard's metrics: one decimal (the report's sentences carry two)."""
+    return _fmt_bytes(n, digits=1)
 
 
 def fmt_ratio(r: Any) -> str:

@@ -13,6 +13,7 @@ from typing import Any
 import duckdb
 
 from dashboards.report_data import Window, has_rows, rows
+from kvlens.schema import HIT_OUTCOMES_SQL
 
 __all__ = ["CAUSES", "findings", "fmt_bytes", "fmt_ms", "fmt_pct"]
 
@@ -26,7 +27,6 @@ CAUSES = {
     "miss_after_gap": "KV events were lost around it (a sequence gap)",
 }
 _ACTIONABLE = tuple(c for c in CAUSES if c != "miss_cold")
-_HITS = "('hit_local', 'hit_offload', 'hit_remote')"
 _IN_WINDOW = "list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end"
 
 
@@ -41,13 +41,16 @@ def fmt_ms(ms: float | None) -> str:
     return f"{ms / 1e3:,.2f} s" if abs(ms) >= 1000 else f"{ms:.1f} ms"
 
 
-def fmt_bytes(n: float | None) -> str:
+def fmt_bytes(n: float | None, digits: int = 2) -> str:
+    """A byte count in binary units (the report's sentences and the dashboard's metrics)."""
     if n is None:
         return "n/a"
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} B" if unit == "B" else f"{value:.{digits}f} {unit}"
+        value /= 1024
+    return f"{value:,.{digits}f} PiB"
 
 
 WORST_REPLICA_SQL = f"""
@@ -75,7 +78,7 @@ ORDER BY t.scenario
 
 # The same blocks (request, position, key) in the other scenarios: what they got there.
 WHAT_IF_SQL = f"""
-SELECT b.scenario, sum(a.tokens), sum(a.tokens) FILTER (WHERE b.outcome IN {_HITS})
+SELECT b.scenario, sum(a.tokens), sum(a.tokens) FILTER (WHERE b.outcome IN {HIT_OUTCOMES_SQL})
 FROM block_outcomes a JOIN block_outcomes b
   ON a.request_id = b.request_id AND a.position = b.position AND a.block_hash = b.block_hash
 WHERE a.scenario = $scenario AND a.replica = $replica AND a.outcome = $outcome

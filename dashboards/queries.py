@@ -13,6 +13,8 @@ from typing import Any
 import duckdb
 import polars as pl
 
+from kvlens.schema import HIT_OUTCOMES, HIT_OUTCOMES_SQL
+
 __all__ = [
     "HIT_OUTCOMES",
     "Window",
@@ -28,7 +30,6 @@ __all__ = [
     "trend",
 ]
 
-HIT_OUTCOMES = ("hit_local", "hit_offload", "hit_remote")
 
 # The bucket widths a trend may use; the first that gives at most _MAX_BUCKETS points wins.
 _BUCKETS_NS = tuple(m * 60 * 10**9 for m in (1, 5, 15, 60, 360, 1440))
@@ -139,7 +140,7 @@ WITH r AS (
            CAST(sum(hit_tokens) AS BIGINT) AS hit_tokens
     FROM request_ledger WHERE scenario = $scenario AND {in_window("arrival_ns")}
 ), b AS (
-    SELECT CAST(sum(bytes) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) AS BIGINT)
+    SELECT CAST(sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS BIGINT)
            AS hit_bytes
     FROM block_outcomes WHERE scenario = $scenario AND {in_window("arrival_ns")}
 )

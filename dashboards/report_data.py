@@ -15,10 +15,9 @@ import duckdb
 
 from kvlens.errors import ConfigError
 from kvlens.query import connect
-from kvlens.schema import Outcome
+from kvlens.schema import HIT_OUTCOMES_SQL
 
 __all__ = [
-    "HIT_OUTCOMES",
     "Headline",
     "LedgerRow",
     "Window",
@@ -32,8 +31,6 @@ __all__ = [
     "scenario_names",
 ]
 
-HIT_OUTCOMES = (Outcome.HIT_LOCAL.value, Outcome.HIT_OFFLOAD.value, Outcome.HIT_REMOTE.value)
-_HITS_SQL = "('hit_local', 'hit_offload', 'hit_remote')"
 
 
 @dataclass(frozen=True)
@@ -158,7 +155,7 @@ WITH r AS (
            median(ttft_ms) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms
     FROM request_ledger WHERE {_IN_WINDOW} GROUP BY scenario
 ), b AS (
-    SELECT scenario, sum(bytes) FILTER (WHERE outcome IN {_HITS_SQL}) AS hit_bytes
+    SELECT scenario, sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS hit_bytes
     FROM block_outcomes WHERE {_IN_WINDOW} GROUP BY scenario
 )
 SELECT r.scenario, r.requests, r.prompt_tokens, r.hit_tokens, r.tail_partial_tokens,

@@ -20,6 +20,8 @@ import pyarrow as pa
 __all__ = [
     "ANALYSIS_TABLES",
     "ENUMS",
+    "HIT_OUTCOMES",
+    "HIT_OUTCOMES_SQL",
     "LAKE_TABLES",
     "SCHEMA_VERSION",
     "TABLES",
@@ -69,6 +71,12 @@ class Outcome(enum.StrEnum):
     MISS_EVICTED = "miss_evicted"
     MISS_INCOMPATIBLE = "miss_incompatible"
     MISS_COLD = "miss_cold"
+
+
+# The outcomes that are hits; every other outcome is recomputed (DESIGN.md section 1).
+HIT_OUTCOMES: tuple[str, ...] = (Outcome.HIT_LOCAL.value, Outcome.HIT_OFFLOAD.value, Outcome.HIT_REMOTE.value)
+# The same, as an SQL list: `outcome IN ('hit_local', ...)`.
+HIT_OUTCOMES_SQL = "(" + ", ".join(f"'{o}'" for o in HIT_OUTCOMES) + ")"
 
 
 class TransferStatus(enum.StrEnum):
