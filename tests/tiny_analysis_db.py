@@ -48,7 +48,9 @@ def make_tiny_db(path: Path) -> Path:
     for table in ANALYSIS_TABLES:
         con.execute(f"CREATE TABLE {table.name} ({', '.join(f'{c.name} {c.type}' for c in table.columns)})")
     for s in ("a", "b"):
-        con.execute("INSERT INTO scenarios VALUES (?, 'tiny', 10, 2, 3, 0)", [s])
+        con.execute("INSERT INTO scenarios (scenario, model, kv_bytes_per_token, requests, needed_blocks, "
+                    "analyzed_ns, model_source, provenance, sources) VALUES (?, 'tiny', 10, 2, 3, 0, 'given', "
+                    "'measured', 'gateway')", [s])
     con.executemany("INSERT INTO block_outcomes (scenario, request_id, replica, arrival_ns, position, "
                     "block_hash, outcome, tokens, bytes, holder) VALUES (?, ?, ?, ?, ?, ?, ?, 100, 1000, ?)",
                     _BLOCKS)
