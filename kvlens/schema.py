@@ -317,6 +317,9 @@ REQUEST_SOURCES = Table("request_sources", "analysis",
     _c("matched", "BIGINT", "of them, found in the source"),
     _c("missing", "BIGINT", "of them, absent from the source"),
     _c("only_in_source", "BIGINT", "source requests with no request in the scenario"),
+    _c("matched_by_suffix", "BIGINT", "of matched, through vLLM's `<id>-<index>` / `<id>_<index>` engine id"),
+    _c("ambiguous", "BIGINT", "requests whose id several suffixed source ids share (one call, many prompts): "
+       "left unmatched"),
     _c("clock_offset_ms", "DOUBLE", "median of source arrival minus scenario arrival", "ms"),
     _c("clock_offset_iqr_ms", "DOUBLE", "interquartile range of that offset", "ms"),
 ))
