@@ -87,9 +87,10 @@ def _given_model(model: str | None, model_config: str | None) -> Any:
 
 
 def _model_name(model: str | None, model_config: str | None) -> str | None:
-    """The model name to record on rows: --model as given, or the name in --model-config's file."""
-    given = _given_model(model, model_config)
-    return str(given.name) if model_config else model
+    """The model name to record on rows: --model as given (any name), or the name in --model-config's file."""
+    if model_config:
+        return str(_given_model(model, model_config).name)
+    return model
 
 
 @cli.command("import")
