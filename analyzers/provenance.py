@@ -41,7 +41,7 @@ class Provenance:
 
 def simulator_assumptions(device: DeviceModel = DEFAULT_DEVICE) -> str:
     """The simulator's service model in words (analyzers/costs.py), for every modelled figure."""
-    return (f"simulated what-if: cache, routing and queueing replayed by kvlens simulate; TTFT = queue + "
+    return (f"cache, routing and queueing replayed by kvlens simulate; TTFT = queue + "
             f"pool load ({device.pool_gbps:g} GB/s, {device.pool_lookup_ms:g} ms lookup) + prefill at "
             f"{device.efficiency:.0%} of {device.name.removesuffix(' (modelled)')} bf16 peak; "
             f"{device.decode_ms_per_token:g} ms per output token")
