@@ -348,7 +348,7 @@ def _rows(stream: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray,
         "distance_blocks": d.blocks[hit],
         "distance_bytes": d.bytes[hit],
         "interval_ns": ts[hit] - ts[d.prev[hit]],
-    }, schema_overrides={"block_hash": pl.UInt64})
+    }, schema_overrides={"block_hash": pl.UInt64, "stream": pl.String})  # typed even with no re-access
 
 
 def _frame_rows(stream: str, f: pl.DataFrame, bytes_per_token: int) -> pl.DataFrame:
