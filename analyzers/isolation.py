@@ -69,7 +69,8 @@ def _cross_tenant(tenants: pl.DataFrame, blocks: pl.DataFrame, outcomes: pl.Data
             .join(tenants, on="request_id").join(first, on="block_hash")
             .filter(pl.col("owner") != pl.col("tenant")))
     out: list[dict[str, object]] = []
-    for r in (hits.group_by("owner", "tenant").agg(blocks=pl.len(), tokens=pl.col("tokens").cast(pl.Int64).sum(),
+    for r in (hits.group_by("owner", "tenant").agg(blocks=pl.len(),
+                                                    tokens=pl.col("tokens").cast(pl.Int64).sum(),
                                                     requests=pl.col("request_id").n_unique())
               .sort("owner", "tenant").iter_rows(named=True)):
         out.append({
@@ -131,7 +132,8 @@ def _incompatible(outcomes: pl.DataFrame, spaces: pl.DataFrame,
               .join(spaces, on=["request_id", "position"], how="left")
               .with_columns(pl.col("namespace").fill_null("(none)")))
     out: list[dict[str, object]] = []
-    for r in (missed.group_by("namespace", "key_diff").agg(blocks=pl.len(), tokens=pl.col("tokens").cast(pl.Int64).sum(),
+    for r in (missed.group_by("namespace", "key_diff").agg(blocks=pl.len(),
+                                                            tokens=pl.col("tokens").cast(pl.Int64).sum(),
                                                             requests=pl.col("request_id").n_unique())
               .sort("namespace", "key_diff").iter_rows(named=True)):
         out.append({

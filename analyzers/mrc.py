@@ -312,8 +312,9 @@ def _rows(hist: ReuseHistogram, method: str, block_bytes: int) -> pl.DataFrame:
     top = float(hist.distance_blocks.max()) if len(hist.distance_blocks) else 0.0
     cap_blocks = _grid_blocks(max(1, int(np.ceil(top))))
     hr, hrb = curve(hist, cap_blocks, by="blocks")
-    return pl.DataFrame({"method": method, "capacity_blocks": cap_blocks, "capacity_bytes": cap_blocks * block_bytes,
-                         "hit_ratio_blocks": hr, "hit_ratio_bytes": hrb})
+    return pl.DataFrame({"method": method, "capacity_blocks": cap_blocks,
+                         "capacity_bytes": cap_blocks * block_bytes, "hit_ratio_blocks": hr,
+                         "hit_ratio_bytes": hrb})
 
 
 def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,

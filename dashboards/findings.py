@@ -102,7 +102,8 @@ def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
             if total]
         if served:
             text += " Of those tokens, " + ", ".join(
-                f"{_who(s, p)} served {fmt_pct(r)}" for s, r in served) + " (the same requests replayed there)."
+                f"{_who(s, p)} served {fmt_pct(r)}" for s, r in served
+            ) + " (the same requests replayed there)."
         out.append(text)
     return out
 
@@ -141,8 +142,9 @@ def _cold_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     else:
         return [f"In {_who(s, p)}, {fmt_pct(r)} of prompt tokens were needed for the first time (miss_cold): "
                 "no cache could have served them." for s, r in shares]
-    return [f"In {where}{_all_label([s for s, _ in shares], p)}, {fmt_pct(shares[0][1])} of prompt tokens were "
-            "needed for the first time (miss_cold): no cache could have served them."]
+    label = _all_label([s for s, _ in shares], p)
+    return [f"In {where}{label}, {fmt_pct(shares[0][1])} of prompt tokens were needed for the first time "
+            "(miss_cold): no cache could have served them."]
 
 
 CAPACITY_SQL = """
@@ -150,7 +152,8 @@ WITH p AS (
     SELECT scenario, sum(prompt_tokens) AS prompt, sum(tail_partial_tokens) AS tail FROM request_ledger
     WHERE list_contains($names, scenario) GROUP BY ALL
 )
-SELECT list(c.scenario ORDER BY c.scenario), c.c_eff_bytes, c.hit_ratio_bytes_at_eff, c.hit_ratio_bytes_at_2x_eff,
+SELECT list(c.scenario ORDER BY c.scenario), c.c_eff_bytes, c.hit_ratio_bytes_at_eff,
+       c.hit_ratio_bytes_at_2x_eff,
        c.c_active_decode_bytes + c.c_reserved_bytes + c.c_fragmentation_bytes AS subtracted, c.active_source,
        round((p.prompt - p.tail) / p.prompt, 6) AS full_share
 FROM capacity c JOIN p USING (scenario)
@@ -162,8 +165,8 @@ GROUP BY ALL ORDER BY 1
 def _cache_words(c_eff: int, subtracted: int, active_source: str | None) -> str:
     """C_eff named for what it is: with nothing subtracted it is just the configured cache."""
     if not subtracted:
-        return (f"the configured cache of {fmt_bytes(c_eff)} (kvlens analyze --cache-tokens; nothing measured "
-                "to subtract, so C_eff = C_physical)")
+        return (f"the configured cache of {fmt_bytes(c_eff)} (kvlens analyze --cache-tokens; nothing "
+                "measured to subtract, so C_eff = C_physical)")
     source = {"kv_cache_usage_perc": "decode measured from kv_cache_usage_perc",
               "running_requests": "decode estimated from running requests"}.get(str(active_source), "")
     return (f"the effective cache of {fmt_bytes(c_eff)} ({fmt_bytes(subtracted)} subtracted"
@@ -176,9 +179,9 @@ def _capacity_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
         who = "every scenario" if len(names) == len(p["names"]) > 1 else ", ".join(names)
         share = f" ({fmt_pct(at * full_share)} of prompt bytes)" if full_share is not None else ""
         out.append(f"Capacity ({who}, whole scenario): {_cache_words(c_eff, subtracted, active_source)}, "
-                   f"modelled as one shared LRU of full blocks, would serve {fmt_pct(at)} of the full blocks' "
-                   f"bytes{share}; doubling it would serve {fmt_pct(at2)} ({(at2 - at) * 100:+.1f} points, "
-                   f"modelled){_bytes_note(names, p)}.")
+                   f"modelled as one shared LRU of full blocks, would serve {fmt_pct(at)} of the full "
+                   f"blocks' bytes{share}; doubling it would serve {fmt_pct(at2)} "
+                   f"({(at2 - at) * 100:+.1f} points, modelled){_bytes_note(names, p)}.")
     return out
 
 
@@ -196,8 +199,8 @@ def _latency_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
         o = _origin(scenario, p)
         flag = " (a tail ratio above 5)" if ratio is not None and ratio > 5 else ""
         ratio_text = f", {ratio:.1f}x their P50 of {o.ttft(fmt_ms(p50))}{flag}" if ratio is not None else ""
-        out.append(f"In {_who(scenario, p)}, the slowest prefix class is {cls} ({n:,} requests, whole scenario): "
-                   f"TTFT P99 {o.ttft(fmt_ms(p99))}{ratio_text}.")
+        out.append(f"In {_who(scenario, p)}, the slowest prefix class is {cls} ({n:,} requests, whole "
+                   f"scenario): TTFT P99 {o.ttft(fmt_ms(p99))}{ratio_text}.")
     return out
 
 
@@ -229,8 +232,8 @@ GROUP BY ALL ORDER BY 3 DESC, 1 LIMIT 1
 
 
 def _hygiene_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {_who(s, p)}, {n:,} requests split their prefix chain early: moving the dynamic part to the end "
-            f"would make {tok or 0:,} more tokens ({fmt_bytes(b)}{_bytes_note([s], p)}) reusable."
+    return [f"In {_who(s, p)}, {n:,} requests split their prefix chain early: moving the dynamic part to "
+            f"the end would make {tok or 0:,} more tokens ({fmt_bytes(b)}{_bytes_note([s], p)}) reusable."
             for s, n, tok, b in rows(con, HYGIENE_SQL, p)]
 
 
@@ -243,8 +246,8 @@ ORDER BY min(CASE severity WHEN 'high' THEN 0 WHEN 'medium' THEN 1 ELSE 2 END), 
 
 
 def _isolation_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {_who(s, p)}, {n:,} {finding} finding(s){f' (severity {sev})' if sev else ''} over {blocks or 0:,} "
-            f"blocks, e.g. {detail}" + ("" if str(detail).endswith(".") else ".")
+    return [f"In {_who(s, p)}, {n:,} {finding} finding(s){f' (severity {sev})' if sev else ''} over "
+            f"{blocks or 0:,} blocks, e.g. {detail}" + ("" if str(detail).endswith(".") else ".")
             for s, finding, sev, n, blocks, detail in rows(con, ISOLATION_SQL, p)]
 
 
@@ -257,8 +260,8 @@ ORDER BY sum(never_read_bytes) / sum(write_bytes) DESC NULLS LAST, 1, 2 LIMIT 1
 
 
 def _flow_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {_who(s, p)}, {fmt_bytes(never)} of the {fmt_bytes(written)} written to the {tier} tier were "
-            f"removed without ever being read ({fmt_pct(never / written if written else None)})"
+    return [f"In {_who(s, p)}, {fmt_bytes(never)} of the {fmt_bytes(written)} written to the {tier} tier "
+            f"were removed without ever being read ({fmt_pct(never / written if written else None)})"
             f"{_bytes_note([s], p)}."
             for s, tier, written, never in rows(con, FLOWS_SQL, p)]
 
@@ -273,8 +276,9 @@ ORDER BY steady_after_ns DESC, scenario, replica LIMIT 1
 def _warmup_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     out = []
     for s, r, ns, b, saved in rows(con, WARMUP_SQL, p):
-        text = (f"In {_who(s, p)}, {r} took the longest to warm up: {ns / 60e9:.1f} min to the fleet's steady "
-                f"hit ratio; pre-warming its hot prefixes would move {fmt_bytes(b)}{_bytes_note([s], p)}")
+        text = (f"In {_who(s, p)}, {r} took the longest to warm up: {ns / 60e9:.1f} min to the fleet's "
+                f"steady hit ratio; pre-warming its hot prefixes would move "
+                f"{fmt_bytes(b)}{_bytes_note([s], p)}")
         out.append(text + (f" and save {saved:,} recomputed tokens." if saved else "."))
     return out
 
@@ -337,7 +341,7 @@ def _all_label(names: list[str], p: Context) -> str:
 
 def _bytes_note(names: list[str], p: Context) -> str:
     """Beside a byte figure resting on the default geometry: say that it was assumed."""
-    assumed = sorted({_origin(n, p).model for n in names if _origin(n, p).assumed_bytes} - {None})
+    assumed = sorted({str(_origin(n, p).model) for n in names if _origin(n, p).assumed_bytes})
     return f"; bytes assume {', '.join(assumed)}'s KV geometry: no model was given" if assumed else ""
 
 

@@ -16,7 +16,8 @@ from dashboards.queries import table_columns
 
 __all__ = ["Origin", "bytes_sentence", "origins", "tagged"]
 
-_COLUMNS = ("scenario", "model", "kv_bytes_per_token", "model_source", "provenance", "ttft_label", "assumptions")
+_COLUMNS = ("scenario", "model", "kv_bytes_per_token", "model_source", "provenance", "ttft_label",
+            "assumptions")
 _SOURCE_WORDS = {
     "given": "given to kvlens analyze",
     "requests": "named by the requests",
@@ -79,5 +80,6 @@ def bytes_sentence(found: dict[str, Origin]) -> str | None:
     said = []
     for (model, per_token, source), names in sorted(groups.items()):
         who = "" if len(groups) == 1 else f" for {', '.join(sorted(names))}"
-        said.append(f"{model}'s KV geometry, {per_token:,} B per token{who} ({_SOURCE_WORDS.get(source, source)})")
+        words = _SOURCE_WORDS.get(source, source)
+        said.append(f"{model}'s KV geometry, {per_token:,} B per token{who} ({words})")
     return "Byte figures use " + "; ".join(said) + "."

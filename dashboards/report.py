@@ -100,16 +100,19 @@ def _assumption_sentences(found: dict[str, Origin]) -> list[str]:
     for o in found.values():
         if o.label == "modelled":
             by.setdefault(o.assumptions or "a model kvlens did not record", []).append(o.scenario)
-    return [f"Modelled, not measured: {', '.join(sorted(n))} ({'a simulated what-if' if len(n) == 1 else 'simulated what-ifs'}"
-            f"; {text})." for text, n in sorted(by.items())]
+    def what(n: list[str]) -> str:
+        return "a simulated what-if" if len(n) == 1 else "simulated what-ifs"
+
+    return [f"Modelled, not measured: {', '.join(sorted(n))} ({what(n)}; {text})."
+            for text, n in sorted(by.items())]
 
 
 def _headline_section(heads: dict[str, Headline], groups: Groups, quiet: list[str],
                       found: dict[str, Origin]) -> Section:
-    body = tuple((h.scenario, found[h.scenario].label or "not recorded", f"{h.requests:,}", f"{h.prompt_tokens:,}",
-                  fmt_pct(h.token_hit_ratio), fmt_pct(h.byte_hit_ratio),
-                  found[h.scenario].ttft(fmt_ms(h.ttft_p50_ms)), found[h.scenario].ttft(fmt_ms(h.ttft_p99_ms)))
-                 for h in heads.values())
+    body = tuple((h.scenario, found[h.scenario].label or "not recorded", f"{h.requests:,}",
+                  f"{h.prompt_tokens:,}", fmt_pct(h.token_hit_ratio), fmt_pct(h.byte_hit_ratio),
+                  found[h.scenario].ttft(fmt_ms(h.ttft_p50_ms)),
+                  found[h.scenario].ttft(fmt_ms(h.ttft_p99_ms))) for h in heads.values())
     said = [f"Requests arriving {w.label()}" + (f": {', '.join(n)}." if len(groups) > 1 else ".")
             for w, n in groups]
     if quiet:
@@ -240,7 +243,8 @@ def _latency_section(con: duckdb.DuckDBPyConnection, names: list[str],
 
 PREFIXES_SQL = """
 SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, bytes, benefit_ms, recommendation,
-       CASE WHEN recompute_label = 'measured' AND remote_label = 'measured' THEN 'measured' ELSE 'modelled' END
+       CASE WHEN recompute_label = 'measured' AND remote_label = 'measured' THEN 'measured'
+            ELSE 'modelled' END
 FROM prefix_ranking WHERE list_contains($names, scenario) AND benefit_ms > 0
 QUALIFY row_number() OVER (PARTITION BY scenario ORDER BY rank NULLS LAST, benefit_ms DESC NULLS LAST,
                                                           prefix_hash) <= 5

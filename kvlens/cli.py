@@ -66,7 +66,8 @@ def _progress_bar(paths: tuple[str, ...], label: str) -> Any:
 
 
 _MODEL_CONFIG_HELP = ("A Hugging Face config.json: the model's KV geometry (layers, KV heads, head size, "
-                      "MLA latent, sliding windows) and name, for a model kvlens does not list (kvlens models).")
+                      "MLA latent, sliding windows) and name, for a model kvlens does not list "
+                      "(kvlens models).")
 
 
 def _model_config_option(f: Any) -> Any:
@@ -360,7 +361,8 @@ def collect_group() -> None:
               help="Commit a segment (with its checkpoint) at least this often.")
 @click.option("--scenario", default="live", show_default=True, help="Scenario the events are written to.")
 def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, replica: str | None,
-                     model: str | None, model_config: str | None, lake: str, duration: float | None, metrics_port: int | None,
+                     model: str | None, model_config: str | None, lake: str, duration: float | None,
+                     metrics_port: int | None,
                      metrics_addr: str, bind: bool, config: str | None, keep_tokens: bool,
                      record: str | None, flush_seconds: float, scenario: str) -> None:
     """Collect vLLM / SGLang KV-cache events over ZMQ into kv_events, with replay and checkpoints.

@@ -258,8 +258,8 @@ SCENARIOS = Table("scenarios", "analysis", "One row per analyzed scenario: what 
     _c("requests", "BIGINT", "requests in the scenario"),
     _c("needed_blocks", "BIGINT", "full blocks needed", "blocks"),
     _c("analyzed_ns", "BIGINT", "when kvlens analyze ran", "ns"),
-    _c("model_source", "VARCHAR", "where the geometry came from: `given` (--model, --model-config), `requests` "
-       "(the requests' model), or `default` (assumed: no model known)"),
+    _c("model_source", "VARCHAR", "where the geometry came from: `given` (--model, --model-config), "
+       "`requests` (the requests' model), or `default` (assumed: no model known)"),
     _c("provenance", "VARCHAR", "`simulated` (kvlens simulate wrote its requests: every figure modelled) or "
        "`measured` (recorded by sources outside kvlens)"),
     _c("sources", "VARCHAR", "formats its requests came from (requests.source), comma-separated"),
@@ -326,7 +326,8 @@ REQUEST_SOURCES = Table("request_sources", "analysis",
 
 REUSE = Table("reuse", "analysis", "Reuse distance per re-access, per stream.", (
     _SCENARIO,
-    _c("stream", "VARCHAR", "access stream: requests (full blocks only), a replica/tier, fleet, or a prefix group"),
+    _c("stream", "VARCHAR",
+       "access stream: requests (full blocks only), a replica/tier, fleet, or a prefix group"),
     _c("block_hash", "UBIGINT", "block re-accessed"),
     _c("ts_ns", "BIGINT", "time of the re-access", "ns"),
     _c("distance_blocks", "BIGINT", "distinct blocks touched since the previous access", "blocks"),
@@ -340,8 +341,8 @@ MRC = Table("mrc", "analysis", "LRU hit ratio against capacity, per stream.", (
        "then position; partial tails are never cached)"),
     _c("method", "VARCHAR", "exact, or shards (sampled)"),
     _c("capacity_blocks", "BIGINT", "cache capacity: slots of one block each (paged KV memory)", "blocks"),
-    _c("capacity_bytes", "BIGINT", "capacity_blocks x full-block bytes (block_size_tokens x KV bytes per token)",
-       "bytes"),
+    _c("capacity_bytes", "BIGINT",
+       "capacity_blocks x full-block bytes (block_size_tokens x KV bytes per token)", "bytes"),
     _c("hit_ratio_blocks", "DOUBLE", "LRU hits over the stream's accesses (full blocks, not prompt tokens)",
        "ratio"),
     _c("hit_ratio_bytes", "DOUBLE", "hit bytes over the stream's bytes (full blocks)", "ratio"),

@@ -156,16 +156,17 @@ FROM capacity c WHERE c.scenario = $scenario
 
 def _capacity(db: Path, fleet_tokens: int) -> list[str]:
     con = duckdb.connect(str(db), read_only=True)
-    ((c_eff, at, at2, unbounded, full),) = con.execute(CAPACITY_SQL, {"scenario": next(iter(WHAT_IFS))}).fetchall()
+    scenario = next(iter(WHAT_IFS))
+    ((c_eff, at, at2, unbounded, full),) = con.execute(CAPACITY_SQL, {"scenario": scenario}).fetchall()
     con.close()
     return [
         "",
         "Capacity (modelled: an LRU of full-block slots on the exact miss-ratio curve): the fleet's "
         f"{fleet_tokens / 1e6:.0f}M tokens",
-        f"  of cache ({c_eff / 2**40:.2f} TiB of KV; nothing measured to subtract, so C_eff = C_physical) as one "
-        "shared LRU would serve",
-        f"  {at * full:.1%} of prompt tokens; doubling it {at2 * full:.1%}, an unbounded cache {unbounded * full:.1%} "
-        "(the reusable share above).",
+        f"  of cache ({c_eff / 2**40:.2f} TiB of KV; nothing measured to subtract, so C_eff = C_physical) "
+        "as one shared LRU would serve",
+        f"  {at * full:.1%} of prompt tokens; doubling it {at2 * full:.1%}, an unbounded cache "
+        f"{unbounded * full:.1%} (the reusable share above).",
     ]
 
 

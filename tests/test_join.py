@@ -54,7 +54,8 @@ def test_join_fills_timings_and_reports_matches_and_clock_offset(lake: Path) -> 
         "clock_offset_iqr_ms": 0.0}]
 
 
-def test_vllm_suffixed_engine_ids_match_for_every_index(tmp_path: Path, write_jsonl: Callable[..., Path]) -> None:
+def test_vllm_suffixed_engine_ids_match_for_every_index(tmp_path: Path,
+                                                       write_jsonl: Callable[..., Path]) -> None:
     # The gateway logs API ids; vLLM's spans carry the engine's <id>-<prompt index> (completions)
     # or <id>_<index> (chat with several inputs). A gateway id that itself ends in -0 keeps it.
     ids = ["cmpl-a", "cmpl-b", "chatcmpl-c", "bar-0", "bar", "cmpl-d", "cmpl-e"]

@@ -137,7 +137,8 @@ def test_probe_takes_a_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
     monkeypatch.setattr(gpu_probe.timing, "cuda_available", lambda: False)
     config = _config(tmp_path, "small-gqa", SMALL_GQA)
-    result = CliRunner().invoke(cli, ["probe", "--model-config", str(config), "--prefix-tokens", "32", "--quick"])
+    result = CliRunner().invoke(cli, ["probe", "--model-config", str(config), "--prefix-tokens", "32",
+                                      "--quick"])
     assert result.exit_code == 0, result.output
     assert "probe small-gqa on cpu" in result.output
 

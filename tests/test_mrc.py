@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from multiturn import multiturn_blocks
 
 from analyzers.mrc import (
     _key_hashes,
@@ -21,7 +22,6 @@ from analyzers.mrc import (
     shards_histogram,
 )
 from analyzers.reuse import request_stream
-from multiturn import multiturn_blocks
 from kvlens.lake import open_lake
 from kvlens.schema import MRC
 
@@ -136,7 +136,8 @@ def test_exact_curve_is_an_lru_of_c_slots_on_a_multiturn_trace(tmp_path: Path) -
     (arrival order, then position), by libCacheSim and by a Python LRU; partial tails never count."""
     rb = multiturn_blocks(sessions=40, turns=6, block_size=16, repeats=5, seed=3)
     assert 0 < (rb["block_tokens"] < rb["block_size_tokens"]).sum() < rb.height  # tails, some repeated
-    full = rb.filter(rb["block_tokens"] == rb["block_size_tokens"]).sort("arrival_ns", "request_id", "position")
+    full = rb.filter(rb["block_tokens"] == rb["block_size_tokens"]).sort("arrival_ns", "request_id",
+                                                                         "position")
     keys = full["block_hash"].to_list()
     con = duckdb.connect()
     out = mrc(request_blocks=con.from_arrow(rb.to_arrow()), bytes_per_token=327_680, scenario="mt")

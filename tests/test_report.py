@@ -52,7 +52,8 @@ def test_tiny_headline_and_findings_are_computed_from_the_ledger(tiny_db: Path) 
     assert ("In a (measured), 28.6% of prompt tokens missed because the block lived on another replica "
             "(miss_routing); the worst replica is replica-1, where it cost 40.0% of its prompt tokens. "
             "Of those tokens, b (modelled) served 100.0%") in text
-    assert "b has the highest token hit ratio (28.6%, modelled), 28.6 points above a (0.0%, measured)." in text
+    assert ("b has the highest token hit ratio (28.6%, modelled), 28.6 points above a (0.0%, measured)."
+            in text)
 
 
 def test_every_figure_says_measured_or_modelled_and_what_it_assumed(tiny_db: Path) -> None:
@@ -67,10 +68,14 @@ def test_every_figure_says_measured_or_modelled_and_what_it_assumed(tiny_db: Pat
     assert re.search(r"^outcome\s+a \(measured\)\s+b \(modelled\)$", text, re.M)
     con = duckdb.connect(str(tiny_db))
     con.execute("UPDATE scenarios SET model_source = 'default', model = 'llama-3.1-70b'")
+    con.execute("INSERT INTO fanout (scenario, window_start_ns, needed_blocks, shared_blocks, "
+                f"fanout_max_replicas, duplicate_bytes) VALUES ('a', {T0_NS}, 2, 1, 2, 1000)")
     con.close()
     assumed = build_report(tiny_db).text
     assert ("Byte figures use llama-3.1-70b's KV geometry, 10 B per token (assumed: no model was given "
             "(pass --model or --model-config to kvlens analyze)).") in assumed
+    assert ("1000 B of KV held or computed more than once; bytes assume llama-3.1-70b's KV geometry: "
+            "no model was given.") in assumed
 
 
 def test_sections_without_rows_are_absent_and_appear_with_rows(tiny_db: Path) -> None:
@@ -104,8 +109,8 @@ def test_sections_without_rows_are_absent_and_appear_with_rows(tiny_db: Path) ->
     assert ("On H100 (tiny), loading a prefix beats recomputing it from 4,096 tokens over pool "
             "(load modelled, recompute modelled).") in after.text
     assert set(after.images) == {"ledger", "trend", "tails", "crossover"}
-    assert ("In a (measured), 1 of 2 distinct blocks needed per window (50.0%) were needed by two replicas or more "
-            "(up to 2): 1000 B of KV held or computed more than once.") in after.text
+    assert ("In a (measured), 1 of 2 distinct blocks needed per window (50.0%) were needed by two replicas "
+            "or more (up to 2): 1000 B of KV held or computed more than once.") in after.text
     assert "replicas or more" not in before.text
 
 

@@ -53,7 +53,8 @@ def make_tiny_db(path: Path) -> Path:
                                                  ("b", "simulated", "modelled", "sim", _ASSUMED)):
         con.execute("INSERT INTO scenarios (scenario, model, kv_bytes_per_token, requests, needed_blocks, "
                     "analyzed_ns, model_source, provenance, sources, ttft_label, assumptions) "
-                    "VALUES (?, 'tiny', 10, 2, 3, 0, 'given', ?, ?, ?, ?)", [s, provenance, source, ttft, assumed])
+                    "VALUES (?, 'tiny', 10, 2, 3, 0, 'given', ?, ?, ?, ?)",
+                    [s, provenance, source, ttft, assumed])
     con.executemany("INSERT INTO block_outcomes (scenario, request_id, replica, arrival_ns, position, "
                     "block_hash, outcome, tokens, bytes, holder) VALUES (?, ?, ?, ?, ?, ?, ?, 100, 1000, ?)",
                     _BLOCKS)

@@ -15,9 +15,11 @@ _WORST_WINDOW = "15m"
 
 def _capacity_metrics(marks: pl.DataFrame) -> None:
     row = marks.row(0, named=True)
-    subtracted = sum(row[c] or 0 for c in ("c_active_decode_bytes", "c_reserved_bytes", "c_fragmentation_bytes"))
+    terms = ("c_active_decode_bytes", "c_reserved_bytes", "c_fragmentation_bytes")
+    subtracted = sum(row[c] or 0 for c in terms)
     a, b, c, d = st.columns(4)
-    a.metric("C_physical", fmt_bytes(row["c_physical_bytes"]), help="configured: kvlens analyze --cache-tokens")
+    a.metric("C_physical", fmt_bytes(row["c_physical_bytes"]),
+             help="configured: kvlens analyze --cache-tokens")
     if subtracted:
         b.metric("C_eff", fmt_bytes(row["c_eff_bytes"]), help=f"active decode from {row['active_source']}")
     else:
@@ -45,9 +47,9 @@ def capacity(ctx: Context) -> None:
     """Exact and sampled LRU curves with the fleet's effective capacity marked; TTL; warm-up."""
     st.header(f"Capacity: {ctx.scenario}")
     provenance_note(ctx)
-    st.caption("Curves and capacity cover the whole scenario: the time window does not apply here. The curves "
-               "are modelled: an LRU of full-block slots replayed over the scenario's full blocks; their "
-               "ratios are of those blocks (partial tails are never cached).")
+    st.caption("Curves and capacity cover the whole scenario: the time window does not apply here. The "
+               "curves are modelled: an LRU of full-block slots replayed over the scenario's full blocks; "
+               "their ratios are of those blocks (partial tails are never cached).")
     if not has_rows(ctx, "mrc"):
         no_rows(ctx, "mrc")
         return

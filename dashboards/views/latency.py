@@ -6,7 +6,16 @@ import polars as pl
 import streamlit as st
 
 from dashboards import analyses, charts
-from dashboards.common import Context, fmt_ratio, has_rows, label, no_rows, origin, provenance_note, show_chart
+from dashboards.common import (
+    Context,
+    fmt_ratio,
+    has_rows,
+    label,
+    no_rows,
+    origin,
+    provenance_note,
+    show_chart,
+)
 from dashboards.provenance import origins
 from dashboards.queries import Window, hit_ratios
 
@@ -43,7 +52,8 @@ def latency(ctx: Context) -> None:
             b.metric(found.ttft("TTFT P99"), f"{row['ttft_p99_ms']:,.0f} ms")
             c.metric(found.ttft("P99/P50"), f"{row['p99_p50_ratio']:.1f}x")
             d.metric(found.ttft("Queue P50"), f"{row['queue_p50_ms']:,.0f} ms")
-        st.caption(f"Per prefix class, whole scenario, all replicas; TTFT {found.ttft_label or 'unlabelled'}.")
+        st.caption(f"Per prefix class, whole scenario, all replicas; TTFT "
+                   f"{found.ttft_label or 'unlabelled'}.")
         show_chart(charts.latency_class_chart(_percentiles_long(by_class, "prefix_class")))
         st.dataframe(_flagged(by_class), hide_index=True)
     trend = analyses.latency_trend(ctx.cur, ctx.window)
@@ -120,8 +130,9 @@ def whatif(ctx: Context) -> None:
     tails = analyses.scenario_tails(ctx.cur, names)
     if tails.height:
         ttft = {n: o.ttft_label for n, o in found.items()}
-        tails = tails.with_columns(pl.col("scenario").replace_strict(ttft, default=None, return_dtype=pl.String)
-                                   .alias("ttft")).select("scenario", "ttft", pl.exclude("scenario", "ttft"))
+        label_of = pl.col("scenario").replace_strict(ttft, default=None, return_dtype=pl.String)
+        tails = tails.with_columns(label_of.alias("ttft")).select("scenario", "ttft",
+                                                                  pl.exclude("scenario", "ttft"))
         show_chart(charts.tails_side_by_side_chart(_percentiles_long(tails, "scenario")))
         st.dataframe(_flagged(tails), hide_index=True)
     else:

@@ -43,7 +43,8 @@ def _headline(ctx: Context) -> None:
     ratios = hit_ratios(ctx.cur, ctx.window)
     worst = analyses.worst_tail(ctx.cur, ctx.window) if has_rows(ctx, "latency_tails") else {}
     found = origin(ctx)
-    geometry = f"{found.model}, {found.kv_bytes_per_token:,} B/token" if found.kv_bytes_per_token else "unrecorded"
+    per_token = found.kv_bytes_per_token
+    geometry = f"{found.model}, {per_token:,} B/token" if per_token else "unrecorded"
     a, b, c, d = st.columns(4)
     a.metric("Requests", f"{ratios.get('requests') or 0:,}")
     b.metric(
@@ -61,7 +62,8 @@ def _headline(ctx: Context) -> None:
         where = f"{worst['replica']}, " + (
             "whole scenario" if worst["window"] is None else f"{worst['window']:%H:%M}"
         )
-        d.metric(found.ttft("Worst TTFT P99/P50"), f"{worst['p99_p50_ratio']:.1f}x", help=f"{where}; flagged above 5")
+        d.metric(found.ttft("Worst TTFT P99/P50"), f"{worst['p99_p50_ratio']:.1f}x",
+                 help=f"{where}; flagged above 5")
     else:
         d.metric("Worst TTFT P99/P50", "n/a", help="latency_tails has no rows yet for this scenario")
 
