@@ -1,8 +1,7 @@
-"""Analyzers: the what-if simulator: a scenario's requests replayed on N replicas -> lake rows.
+"""Analyzers: the simulator's LRU engine (``--engine lru``): prompt blocks in an LRU, max_seqs slots.
 
-It writes what engines would have published (``kv_events``), what a tracer would have seen
-(``requests`` with replica, queue and TTFT) and what moved (``transfers``), so the ledger and
-every other analysis run on a what-if exactly as on production data. Assumptions, stated:
+The first what-if engine, kept as the baseline of the vLLM engine's benchmark and for users
+who want its simpler answer. Assumptions, stated:
 
 - Each replica caches full blocks in an LRU of ``capacity_tokens`` (unbounded when None).
   Blocks of requests in flight are pinned; a pinned block met by the eviction scan moves to
@@ -35,39 +34,11 @@ import numpy as np
 import polars as pl
 
 from analyzers import costs
-from kvlens.errors import ConfigError
+from analyzers.sim_config import SimConfig, SimResult
 from kvlens.models import ModelGeometry
 from kvlens.schema import RoutingPolicy
 
-__all__ = ["SimConfig", "SimResult", "simulate"]
-
-
-@dataclass(frozen=True)
-class SimConfig:
-    replicas: int
-    capacity_tokens: int | None = None
-    pool_tokens: int | None = None
-    routing: RoutingPolicy = RoutingPolicy.ROUND_ROBIN
-    load_factor: float | None = None
-    seed: int = 0
-    max_seqs: int = 8
-    prefix_blocks: int = 4
-    # cache_aware prefers the longest resident prefix only when it covers at least this share
-    # of the request's full blocks; below it the request goes to the least loaded replica
-    # (the match-rate threshold of SGLang's cache-aware router; without it every request
-    # follows a shared first block to the replica that saw it first).
-    cache_threshold: float = 0.5
-    device: costs.DeviceModel = costs.DEFAULT_DEVICE
-
-
-@dataclass
-class SimResult:
-    """Lake rows of the what-if, by table, plus the simulator's own counts for cross-checks."""
-
-    tables: dict[str, pl.DataFrame]
-    hit_tokens: int = 0
-    uncached_blocks: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
+__all__ = ["simulate_lru"]
 
 
 class _Lru:
@@ -202,28 +173,19 @@ def _block_lists(blocks: pl.DataFrame, sessions: dict[str, Any]) -> dict[str, li
     return out
 
 
-def _check(cfg: SimConfig) -> None:
-    if cfg.replicas < 1:
-        raise ConfigError(f"--replicas must be at least 1, got {cfg.replicas}")
-    for name, value in (("--capacity-tokens", cfg.capacity_tokens), ("--pool-tokens", cfg.pool_tokens)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-    if cfg.load_factor is not None and cfg.load_factor <= 0:
-        raise ConfigError(f"--load-factor must be positive, got {cfg.load_factor}")
-
-
-def simulate(*, requests: pl.DataFrame, request_blocks: pl.DataFrame, config: SimConfig,
-             model: ModelGeometry) -> SimResult:
+def simulate_lru(*, requests: pl.DataFrame, request_blocks: pl.DataFrame, config: SimConfig,
+                 model: ModelGeometry, fixed: np.ndarray | None = None,
+                 names: list[str] | None = None) -> SimResult:
     """Replay ``requests`` (with their ``request_blocks``) under ``config``; rows for the lake.
 
     Returns frames for ``requests``, ``request_blocks``, ``kv_events`` and ``transfers``
     (without ``scenario``: the writer sets it), sorted by time.
     """
-    _check(config)
     largest = request_blocks["block_size_tokens"].max() if request_blocks.height else None
     block_tokens = int(largest) if isinstance(largest, int) and largest > 0 else 1
     cap = None if config.capacity_tokens is None else max(config.capacity_tokens // block_tokens, 1)
-    reps = [_Replica(f"replica-{i}", _Lru(cap)) for i in range(config.replicas)]
+    names = names or [f"replica-{i}" for i in range(config.replicas)]
+    reps = [_Replica(name, _Lru(cap)) for name in names]
     pool = _Lru(config.pool_tokens // block_tokens) if config.pool_tokens else None
     per_token = model.kv_bytes_per_token()
     reqs = requests.unique("request_id", keep="first").sort("arrival_ns", "request_id")
@@ -240,11 +202,12 @@ def simulate(*, requests: pl.DataFrame, request_blocks: pl.DataFrame, config: Si
         prompt = req["prompt_tokens"]
         if prompt is None:
             prompt = sum(b["tokens"] for b in blocks)
-        rep = reps[_route(config, reps, i, req, [b["h"] for b in full], rng, req["arrival_ns"])]
+        rep = reps[int(fixed[i]) if fixed is not None
+                   else _route(config, reps, i, req, [b["h"] for b in full], rng, req["arrival_ns"])]
         start = max(req["arrival_ns"], rep.last_start + 1)
         while rep.slots and rep.slots[0] <= start:
             heapq.heappop(rep.slots)
-        if len(rep.slots) >= config.max_seqs:
+        if len(rep.slots) >= config.seqs:
             start = max(start, heapq.heappop(rep.slots))
         rep.last_start = start
         rep.load(start)
