@@ -55,7 +55,7 @@ __all__ = ["run_fleet", "step_ns"]
 
 B_REF, B_H, B_HASHED, B_NXT, B_PRV, B_DNX, B_DPV = range(7)
 Q_NTOK, Q_COMP, Q_NOUT, Q_NCB, Q_NBLK, Q_ST, Q_SCHED, Q_FIRST, Q_END, Q_CACHED, Q_EXT, Q_NPRE, Q_REP, \
-    Q_WNX, Q_WPV = range(15)
+    Q_WNX, Q_WPV, Q_MOVED = range(16)
 R_NFREE, R_BUSY, R_NRUN, R_NBATCH, R_WHEAD, R_WTAIL, R_INFL, R_STEPS, R_LOAD = range(9)
 WAITING, RUNNING, DONE = 0, 1, 2
 NONE = -1
@@ -365,7 +365,8 @@ def run_fleet(arrival, order, prompt, out, blk_off, blk_h, n_pfull, fixed, n_rep
     ``blk_h[blk_off[i]:blk_off[i+1]]`` are request i's full-block hashes (prompt, then blocks
     holding generated tokens); ``fixed[i]`` its replica, or -1 to route cache-aware. Returns
     the per-request rows (replica, scheduled, first token, end ns; cached and pool tokens;
-    preemptions), the events and transfers buffers, counts (events, transfers, overflow, fallbacks) and steps.
+    preemptions; 1 if the load fallback moved it), the events and transfers buffers, counts
+    (events, transfers, overflow, fallbacks) and the number of steps.
     """
     n = arrival.shape[0]
     toff = np.zeros(n + 1, np.int64)
@@ -377,8 +378,8 @@ def run_fleet(arrival, order, prompt, out, blk_off, blk_h, n_pfull, fixed, n_rep
     rp = np.zeros((9, n_rep), np.int64)
     rp[R_BUSY, :], rp[R_WHEAD, :], rp[R_WTAIL, :] = NONE, NONE, NONE
     vc.fq_init(blk[B_NXT], blk[B_PRV], rp[R_NFREE], n_rep, nb)
-    rq = np.full((15, n), NONE, np.int64)
-    for row in (Q_NTOK, Q_COMP, Q_NOUT, Q_NCB, Q_NBLK, Q_ST, Q_EXT, Q_NPRE):
+    rq = np.full((16, n), NONE, np.int64)
+    for row in (Q_NTOK, Q_COMP, Q_NOUT, Q_NCB, Q_NBLK, Q_ST, Q_EXT, Q_NPRE, Q_MOVED):
         rq[row, :] = 0
     run = np.zeros((n_rep, max_seqs), np.int64)
     bat = np.zeros((n_rep, max_seqs), np.int64)
@@ -403,6 +404,7 @@ def run_fleet(arrival, order, prompt, out, blk_off, blk_h, n_pfull, fixed, n_rep
             if r < 0:
                 r, moved = _route(maps, rp, blk_h, blk_off[q], n_pfull[q], n_rep, threshold, load_factor)
                 cnt[3] += moved
+                rq[Q_MOVED, q] = moved
             rq[Q_REP, q] = r
             rp[R_INFL, r] += 1
             _wq_push(rq, rp, r, q, False)
@@ -416,5 +418,6 @@ def run_fleet(arrival, order, prompt, out, blk_off, blk_h, n_pfull, fixed, n_rep
             _fast_decode(rq, rp, bat, rb, arrival[order[i]] if i < n else INF, st, out, bs)
         else:
             break
-    rows = np.stack((rq[Q_REP], rq[Q_SCHED], rq[Q_FIRST], rq[Q_END], rq[Q_CACHED], rq[Q_EXT], rq[Q_NPRE]))
+    rows = np.stack((rq[Q_REP], rq[Q_SCHED], rq[Q_FIRST], rq[Q_END], rq[Q_CACHED], rq[Q_EXT], rq[Q_NPRE],
+                     rq[Q_MOVED]))
     return rows, ev[:cnt[0]].copy(), xf[:cnt[1]].copy(), cnt, rp[R_STEPS].sum()

@@ -118,7 +118,7 @@ def simulate_vllm(*, prep: Prepared, config: SimConfig, model: ModelGeometry, fi
     """Run the fleet and turn its rows into the lake's requests, kv_events and transfers."""
     nb = _gpu_blocks(config, prep)
     rows, ev, xf, cnt, steps = _run(prep, config, fixed, nb, step)
-    replica, sched, first, end, cached, ext, npre = rows
+    replica, sched, first, end, cached, ext, npre, moved = rows
     per_token = model.kv_bytes_per_token()
     reqs = prep.reqs
     arrival = prep.arrival
@@ -140,5 +140,6 @@ def simulate_vllm(*, prep: Prepared, config: SimConfig, model: ModelGeometry, fi
     result.stats = {"requests": requests.height, "events": len(ev), "transfers": len(xf), "steps": int(steps),
                     "preemptions": int(npre.sum()), "gpu_blocks": nb, "block_tokens": prep.block,
                     "step_model": step.label, "pool_tokens": int(ext.sum()),
-                    "fallbacks": int(cnt[3])}
+                    "fallbacks": int(cnt[3]),
+                    "moved": reqs["request_id"].filter(pl.Series(moved == 1)).to_list()}
     return result

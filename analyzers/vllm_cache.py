@@ -36,7 +36,7 @@ keeps it (paths under ``vllm/v1/core/``):
 
 State is flat arrays over every replica's blocks (block ``g = r·NB + b``): references, hash,
 the free queue as a doubly linked list with a head and a tail sentinel per replica (vLLM's own
-layout), and per replica a hash -> oldest block map with a chain of younger copies. Events go
+layout), and one (replica, hash) -> oldest block map with a chain of younger copies. Events go
 to a preallocated ``int64[cap, 6]`` buffer (ts, location, kind, hash, request, position); a
 full buffer sets ``cnt[2]`` and the caller runs again with a larger one.
 """
@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import numpy as np
 from numba import njit, types
-from numba.typed import Dict, List
+from numba.typed import Dict
 
 __all__ = ["KIND_REMOVED", "KIND_STORED", "NO_BLOCK"]
 
@@ -53,12 +53,21 @@ KIND_STORED, KIND_REMOVED = 0, 1
 NO_BLOCK = -1
 
 
+_SALT = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64
+
+
 @njit(cache=True)
 def new_maps(n):
-    maps = List()
-    for _ in range(n):
-        maps.append(Dict.empty(key_type=types.int64, value_type=types.int64))
-    return maps
+    """One map for every replica: (replica, hash) -> oldest block, keyed by ``_key``."""
+    return Dict.empty(key_type=types.int64, value_type=types.int64)
+
+
+@njit(cache=True)
+def _key(r, h):
+    # hash XOR a per-replica constant: distinct (r, h) collide only if h1 ^ h2 equals the XOR of
+    # two replicas' constants, which small trace ids never reach and random 64-bit hashes hit
+    # with probability ~n²/2⁶⁴.
+    return h ^ (_SALT * (r + 1))
 
 
 @njit(cache=True)
@@ -118,22 +127,22 @@ def emit(ev, cnt, ts, loc, kind, h, req, pos):
 
 @njit(cache=True)
 def map_get(maps, r, h):
-    m = maps[r]
-    if h in m:
-        return m[h]
+    k = _key(r, h)
+    if k in maps:
+        return maps[k]
     return NO_BLOCK
 
 
 @njit(cache=True)
 def map_insert(maps, dnx, dpv, r, h, g):
     """Cache block ``g`` under ``h``; a copy already cached stays first (the oldest wins)."""
-    m = maps[r]
-    if h not in m:
-        m[h] = g
+    k = _key(r, h)
+    if k not in maps:
+        maps[k] = g
         dnx[g] = NO_BLOCK
         dpv[g] = NO_BLOCK
         return
-    last = m[h]
+    last = maps[k]
     while dnx[last] != NO_BLOCK:
         last = dnx[last]
     dnx[last] = g
@@ -143,13 +152,13 @@ def map_insert(maps, dnx, dpv, r, h, g):
 
 @njit(cache=True)
 def map_remove(maps, dnx, dpv, r, h, g):
-    m = maps[r]
+    k = _key(r, h)
     p, n = dpv[g], dnx[g]
     if p == NO_BLOCK:
         if n == NO_BLOCK:
-            del m[h]
+            del maps[k]
         else:
-            m[h] = n
+            maps[k] = n
             dpv[n] = NO_BLOCK
     else:
         dnx[p] = n
@@ -175,9 +184,8 @@ def lookup(maps, r, blk_h, start, n_max, out):
 @njit(cache=True)
 def matched(maps, r, blk_h, start, n_max):
     """How many leading blocks of ``blk_h[start:start+n_max]`` replica ``r`` has cached."""
-    m = maps[r]
     n = 0
-    while n < n_max and blk_h[start + n] in m:
+    while n < n_max and _key(r, blk_h[start + n]) in maps:
         n += 1
     return n
 

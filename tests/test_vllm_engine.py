@@ -15,7 +15,7 @@ from tests.vllm_oracle import run_fleet_py
 
 STEP = np.zeros(N_PARAMS)
 STEP[0] = 1.0  # every step takes 1 ms: the hand-made cases below count steps, not FLOPs
-ROWS = ("replica", "sched", "first", "end", "cached", "ext", "preempted")
+ROWS = ("replica", "sched", "first", "end", "cached", "ext", "preempted", "moved")
 STORED, REMOVED = 0, 1
 
 

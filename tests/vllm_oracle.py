@@ -124,6 +124,7 @@ class Req:
     cached: int = -1
     ext: int = 0
     preempted: int = 0
+    moved: int = 0
 
 
 class Replica:
@@ -312,6 +313,7 @@ class Fleet:
         self.transfers.append((q.i, ts, -1, r, q.hashes[pos], pos))
 
     def route(self, q: Req, fixed: int) -> int:
+        """cache_aware: the longest cached prefix, else (under threshold, overloaded) the least loaded."""
         if fixed >= 0:
             return fixed
         n = self.cfg["replicas"]
@@ -331,6 +333,7 @@ class Fleet:
             best = least
         mean = sum(loads) / n
         if self.cfg["load_factor"] > 0 and mean > 0 and loads[best] > self.cfg["load_factor"] * mean:
+            q.moved = int(best != least)
             best = least
         return best
 
@@ -365,7 +368,7 @@ def run_fleet_py(arrival: Any, order: Any, prompt: Any, out: Any, blk_off: Any, 
             for i in range(len(arrival))]
     fleet = Fleet(cfg, step)
     fleet.run([reqs[int(k)] for k in order], [int(fixed[int(k)]) for k in order])
-    cols = ("replica", "sched", "first", "end", "cached", "ext", "preempted")
+    cols = ("replica", "sched", "first", "end", "cached", "ext", "preempted", "moved")
     out_cols = {c: [getattr(q, c) for q in reqs] for c in cols}
     return {**out_cols, "events": fleet.events, "transfers": fleet.transfers,
             "steps": sum(r.steps for r in fleet.reps)}
