@@ -50,8 +50,9 @@ import numpy as np
 from numba import njit
 
 from analyzers import vllm_cache as vc
+from analyzers.step_time import step_ns
 
-__all__ = ["run_fleet", "step_ns"]
+__all__ = ["run_fleet"]
 
 B_REF, B_H, B_HASHED, B_NXT, B_PRV, B_DNX, B_DPV = range(7)
 Q_NTOK, Q_COMP, Q_NOUT, Q_NCB, Q_NBLK, Q_ST, Q_SCHED, Q_FIRST, Q_END, Q_CACHED, Q_EXT, Q_NPRE, Q_REP, \
@@ -60,25 +61,6 @@ R_NFREE, R_BUSY, R_NRUN, R_NBATCH, R_WHEAD, R_WTAIL, R_INFL, R_STEPS, R_LOAD = r
 WAITING, RUNNING, DONE = 0, 1, 2
 NONE = -1
 INF = np.iinfo(np.int64).max
-
-
-@njit(cache=True)
-def step_ns(st, p, a, d, a_dec, ctx, n_pre, n_adm, load_tok):
-    """A step's duration in ns from its shape (see analyzers/step_time.py for the parameters).
-
-    ``p`` prefill tokens in ``n_pre`` chunks with attention work ``a`` (sum of (c+n)² − c²),
-    ``d`` decodes with attention work ``a_dec``, ``ctx`` tokens of context read, ``load_tok``
-    tokens loaded from the pool. At least ``n_adm + 1`` ns, so admissions stay ordered.
-    """
-    ms = st[0]
-    if p > 0:
-        ms += st[1] + st[2] * p + st[3] * a
-    lin = d + p if st[10] > 0 else d
-    att = a_dec + a if st[10] > 0 else a_dec
-    ms += max(st[4] * (st[5] * lin + st[6] * att), st[7] * (st[8] + st[9] * ctx))
-    if load_tok > 0:
-        ms += st[11] + st[12] * load_tok
-    return max(int(np.rint(ms * 1e6)), n_adm + 1, 1)
 
 
 @njit(cache=True)

@@ -61,8 +61,9 @@ class Prepared:
         flat = self.off[idx[keep]] + p[keep]
         self.hashes[flat] = full["block_hash"].to_numpy()[keep].view(np.int64)
         self.content[flat] = full["content_hash"].fill_null(0).to_numpy()[keep]
-        self.namespace = (blocks.group_by("request_id").agg(pl.col("namespace").first())
-                          .join(reqs.select("request_id"), on="request_id", how="right")["namespace"])
+        first_ns = blocks.group_by("request_id").agg(pl.col("namespace").first())
+        self.namespace = reqs.select("request_id").join(first_ns, on="request_id", how="left",
+                                                        maintain_order="left")["namespace"]
         self.needs = np.maximum(-(-(self.prompt + self.out - 1) // block), 1)
 
     def heads(self) -> list[list[int]]:
@@ -80,13 +81,23 @@ def prepare(reqs: pl.DataFrame, blocks: pl.DataFrame) -> Prepared:
     return Prepared(reqs, blocks, block)
 
 
+# An unbounded cache is as many blocks per replica as every request could hold at once; beyond
+# this many blocks over the fleet (7 int64 rows each: ~2.8 GB) ask for a capacity instead.
+MAX_FLEET_BLOCKS = 50_000_000
+
+
 def _gpu_blocks(cfg: SimConfig, prep: Prepared) -> int:
     if cfg.gpu_blocks is not None:
         nb = cfg.gpu_blocks
     elif cfg.capacity_tokens is not None:
         nb = cfg.capacity_tokens // prep.block + 1
     else:
-        return prep.unbounded_blocks()
+        nb = prep.unbounded_blocks()
+        if nb * cfg.replicas > MAX_FLEET_BLOCKS:
+            raise ConfigError(
+                f"an unbounded cache for {prep.reqs.height:,} requests on {cfg.replicas} replicas would take "
+                f"{nb * cfg.replicas:,} blocks of state: give --gpu-blocks or --capacity-tokens per replica")
+        return nb
     worst = int(prep.needs.argmax()) if prep.needs.size else 0
     if prep.needs.size and prep.needs[worst] > nb - 1:
         rid, need = prep.reqs["request_id"][worst], int(prep.needs[worst])

@@ -1,6 +1,6 @@
 """Analyzers: the step-time model of a simulated engine: one batch's milliseconds, modelled or fitted.
 
-A step's duration (analyzers/scheduler.py ``step_ns``) is
+A step's duration (``step_ns``, read by analyzers/scheduler.py) is
 
     overhead + [P > 0]·(prefill_fixed + b·P + c·A) + max(compute, memory) + pool load
 
@@ -36,12 +36,13 @@ from dataclasses import dataclass
 
 import numpy as np
 import polars as pl
+from numba import njit
 
 from analyzers.costs import DEFAULT_DEVICE, CostModel, DeviceModel
 from kvlens.errors import NoDataError
 from kvlens.models import ModelGeometry
 
-__all__ = ["StepModel", "calibrated", "modelled"]
+__all__ = ["StepModel", "calibrated", "modelled", "step_ns"]
 
 N_PARAMS = 13
 
@@ -68,6 +69,25 @@ class StepModel:
         drawn = np.random.default_rng(seed).choice(pool, len(request_ids))
         own = np.array([self.frontend.get(r, np.nan) for r in request_ids], dtype=float)
         return np.where(np.isnan(own), drawn, own)
+
+
+@njit(cache=True)
+def step_ns(st, p, a, d, a_dec, ctx, n_pre, n_adm, load_tok):
+    """A step's duration in ns from its shape (the parameters: this module's docstring).
+
+    ``p`` prefill tokens in ``n_pre`` chunks with attention work ``a`` (sum of (c+n)² − c²),
+    ``d`` decodes with attention work ``a_dec``, ``ctx`` tokens of context read, ``load_tok``
+    tokens loaded from the pool. At least ``n_adm + 1`` ns, so admissions stay ordered.
+    """
+    ms = st[0]
+    if p > 0:
+        ms += st[1] + st[2] * p + st[3] * a
+    lin = d + p if st[10] > 0 else d
+    att = a_dec + a if st[10] > 0 else a_dec
+    ms += max(st[4] * (st[5] * lin + st[6] * att), st[7] * (st[8] + st[9] * ctx))
+    if load_tok > 0:
+        ms += st[11] + st[12] * load_tok
+    return max(int(np.rint(ms * 1e6)), n_adm + 1, 1)
 
 
 def _pool_terms(p: np.ndarray, model: ModelGeometry, device: DeviceModel) -> None:

@@ -314,6 +314,15 @@ def test_every_policy_routes_every_request(lab: Lab, policy: RoutingPolicy) -> N
         assert ordered[:8] == [f"replica-{i % 4}" for i in range(8)]
 
 
+def test_rate_scale_packs_the_arrivals(lab: Lab) -> None:
+    reqs = lab.sub_requests.sort("arrival_ns", "request_id").head(300)
+    sim = simulate(requests=reqs, request_blocks=lab.sub_blocks, model=lab.model,
+                   config=SimConfig(replicas=2, rate_scale=2.0))
+    got = sim.tables["requests"].sort("arrival_ns", "request_id")["arrival_ns"].to_numpy()
+    t = reqs["arrival_ns"].to_numpy()
+    assert np.array_equal(got - got[0], np.round((t - t[0]) / 2).astype(np.int64))
+
+
 def test_random_routing_is_reproducible(lab: Lab) -> None:
     def config(seed: int) -> SimConfig:
         return SimConfig(replicas=4, routing=RoutingPolicy.RANDOM, seed=seed)
@@ -336,6 +345,15 @@ def test_invalid_config_is_a_config_error(lab: Lab, bad: dict[str, Any]) -> None
     with pytest.raises(ConfigError):
         simulate(requests=lab.sub_requests.head(5), request_blocks=lab.sub_blocks, model=lab.model,
                  config=SimConfig(**bad))
+
+
+def test_an_unbounded_cache_too_large_to_hold_is_refused(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
+    import analyzers.sim_vllm
+
+    monkeypatch.setattr(analyzers.sim_vllm, "MAX_FLEET_BLOCKS", 1_000)
+    with pytest.raises(ConfigError, match="give --gpu-blocks or --capacity-tokens"):
+        simulate(requests=lab.sub_requests.head(50), request_blocks=lab.sub_blocks, model=lab.model,
+                 config=SimConfig(replicas=8))
 
 
 def test_simulate_cli_errors(lab: Lab) -> None:

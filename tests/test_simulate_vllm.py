@@ -126,6 +126,12 @@ def test_the_capture_head_replays_too(tmp_path: Path) -> None:
     rows = _compare(lake, "sim")
     assert rows.height == 12 and int(rows["engine"].sum()) > 0
     assert rows["engine"].to_list() == rows["sim"].to_list()
+    # Its scenario has no spans to calibrate on: one line saying what to import.
+    bad = CliRunner().invoke(cli, ["simulate", "--lake", str(lake), "--from", "capture", "--scenario", "x",
+                                   "--replicas", "1", "--calibrate", "capture"])
+    assert bad.exit_code == 1 and bad.stdout == ""
+    assert bad.stderr.startswith("Error: scenario 'capture' has 0 requests with measured prefill")
+    assert "kvlens import otlp" in bad.stderr and len(bad.stderr.splitlines()) == 1
 
 
 def test_a_concurrent_capture_within_2_percent_and_its_ttft_within_25(tmp_path: Path) -> None:
