@@ -21,9 +21,10 @@ each labelled (the simulator's times are always modelled; these say from what):
   against its computed tokens (prompt − cached), ``prefill_ms = a + b·T``, gives the cost of a
   prefill token ``b``; the time per output token after the first, ``Σ(end − first token) /
   Σ(output − 1)``, is the mean step a decoding request sits through, which includes the prefill
-  tokens others computed meanwhile: over the engine's busy time ``W`` that is ``N = W / step``
-  steps sharing ``C = Σ(prompt − cached)`` prefill tokens, so a step costs
-  ``base = step − b·C/N`` plus ``b·P`` for its own prefill tokens. ``TTFT − queue − prefill``
+  tokens others computed meanwhile: over the time ``W`` anyone decoded, ``N = W / step`` steps
+  shared ``C`` prefill tokens (each request's, weighted by the share of its prefill time during
+  which another request decoded), so a step costs ``base = step − b·C/N`` plus ``b·P`` for its
+  own prefill tokens. ``TTFT − queue − prefill``
   is the time before the engine's queue: the API server's work and hand-off plus the wait for
   the running step, which the simulator models (its mean, half a step while busy, is taken
   off); a replayed request keeps its own measured delay, any other draws one of them. A fleet
@@ -131,21 +132,30 @@ def _fit_line(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
     return float(a), float(b)
 
 
-def _busy_ms(rows: pl.DataFrame) -> float:
-    """Time the engine had work: the union of [scheduled, end] over requests."""
-    spans = (rows.select(start=pl.col("first_token_ns") - (pl.col("prefill_ms") * 1e6).cast(pl.Int64),
-                         end="end_ns").sort("start"))
-    total, cur_start, cur_end = 0, None, None
-    for start, end in spans.iter_rows():
-        if cur_end is None or start > cur_end:
-            if cur_end is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
+def _union(starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The union of intervals [start, end) as sorted disjoint ones."""
+    order = np.argsort(starts, kind="stable")
+    out_s: list[float] = []
+    out_e: list[float] = []
+    for s0, e0 in zip(starts[order], ends[order], strict=True):
+        if out_e and s0 <= out_e[-1]:
+            out_e[-1] = max(out_e[-1], e0)
         else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        total += cur_end - cur_start
-    return total / 1e6
+            out_s.append(s0)
+            out_e.append(e0)
+    return np.array(out_s, float), np.array(out_e, float)
+
+
+def _covered(lo: np.ndarray, hi: np.ndarray, us: np.ndarray, ue: np.ndarray) -> np.ndarray:
+    """For each [lo, hi), how much of it the disjoint sorted intervals (us, ue) cover."""
+    cum = np.concatenate([[0.0], np.cumsum(ue - us)])
+
+    def upto(x: np.ndarray) -> np.ndarray:  # covered length of (-inf, x)
+        k = np.searchsorted(ue, x, side="right")
+        inside = np.clip(x - us[np.minimum(k, len(us) - 1)], 0, None) * (k < len(us))
+        return cum[k] + np.minimum(inside, (ue - us)[np.minimum(k, len(us) - 1)])
+
+    return upto(hi) - upto(lo) if len(us) else np.zeros_like(lo)
 
 
 def calibrated(spans: pl.DataFrame, model: ModelGeometry, scenario: str,
@@ -165,13 +175,20 @@ def calibrated(spans: pl.DataFrame, model: ModelGeometry, scenario: str,
     dec = rows.filter(pl.col("output_tokens") >= 2)
     decode_ms = float((dec["end_ns"] - dec["first_token_ns"]).sum()) / 1e6
     step = decode_ms / max(int((dec["output_tokens"] - 1).sum()), 1)  # a decoding request's mean step
-    steps = _busy_ms(rows) / step if step > 0 else 0.0
-    # The mean step carries its share of the prefill tokens computed meanwhile: take it out.
-    base = max(step - b * computed.sum() / steps, 0.0) if steps else step
+    # That mean step carries the prefill tokens computed while someone decoded: each request's
+    # prefill tokens, weighted by the share of its prefill time during which another decoded,
+    # spread over the steps of the time anyone decoded. Take them out.
+    us, ue = _union(dec["first_token_ns"].to_numpy() / 1e6, dec["end_ns"].to_numpy() / 1e6)
+    first = rows["first_token_ns"].to_numpy() / 1e6
+    sched = first - rows["prefill_ms"].to_numpy()
+    shared = _covered(sched, first, us, ue) / np.maximum(first - sched, 1e-9)
+    steps = float((ue - us).sum()) / step if step > 0 else 0.0
+    base = max(step - b * float((shared * computed).sum()) / steps, 0.0) if steps else step
     # Arrival -> the engine's queue is the API server's work and hand-off, plus the wait for the
     # running step (an engine takes new requests between steps), which the simulator models
     # itself: its mean, half a mean step while busy, comes off each measured delay.
-    busy = _busy_ms(rows)
+    bs_, be_ = _union(sched, rows["end_ns"].to_numpy() / 1e6)
+    busy = float((be_ - bs_).sum())  # the engine had work
     span_ms = busy
     if "arrival_ns" in rows.columns:
         ends, starts = rows["end_ns"].to_numpy(), rows["arrival_ns"].to_numpy()
