@@ -61,7 +61,7 @@ class DeviceModel:
     peak_tflops_per_gpu: float = 989.0  # bf16 dense, NVIDIA's H100 SXM datasheet
     gpus_per_replica: int = 8
     efficiency: float = 0.4  # achieved share of peak in prefill
-    decode_ms_per_token: float = 20.0  # per sequence, while batched with others
+    decode_ms_per_token: float = 20.0  # per sequence, while batched with others (the LRU engine)
     pool_gbps: float = 25.0  # shared pool to GPU, effective GB/s (e.g. one 200 Gb/s RDMA NIC)
     pool_lookup_ms: float = 0.5
     pool_queue_ms: float = 0.0  # waiting behind other loads; 0 assumes an idle pool
@@ -72,10 +72,19 @@ class DeviceModel:
     d2h_gbps: float = 25.0  # GPU -> pinned host
     install_gbps: float = 500.0  # scatter of staged blocks into the paged KV pool, on the GPU
     pool_capacity_bytes: int = 2 * 10**12  # shared pool (e.g. 8 nodes x 256 GB of DRAM)
+    # The engine's step time (analyzers/step_time.py): decode reads the weights and the KV once a step.
+    hbm_gbps_per_gpu: float = 3350.0  # HBM3, NVIDIA's H100 SXM datasheet
+    hbm_efficiency: float = 0.7  # achieved share of it by a decode step
+    weight_bytes_per_param: float = 2.0  # bf16 weights
+    step_overhead_ms: float = 2.0  # scheduling, sampling and TP all-reduce latency per step
 
     @property
     def flops_per_ms(self) -> float:
         return self.peak_tflops_per_gpu * 1e12 * self.gpus_per_replica * self.efficiency / 1e3
+
+    @property
+    def hbm_bytes_per_ms(self) -> float:
+        return self.hbm_gbps_per_gpu * 1e9 * self.gpus_per_replica * self.hbm_efficiency / 1e3
 
 
 DEFAULT_DEVICE = DeviceModel()

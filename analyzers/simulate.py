@@ -1,215 +1,57 @@
 """Analyzers: the what-if simulator: a scenario's requests replayed on N replicas -> lake rows.
 
 It writes what engines would have published (``kv_events``), what a tracer would have seen
-(``requests`` with replica, queue and TTFT) and what moved (``transfers``), so the ledger and
-every other analysis run on a what-if exactly as on production data. Assumptions, stated:
+(``requests`` with replica, scheduling, first-token and end times) and what moved
+(``transfers``), so the ledger and every other analysis run on a what-if exactly as on
+production data. Every time it writes is **modelled** (rows carry ``source = 'sim'``); the
+step-time model says from what (:class:`analyzers.step_time.StepModel`, in ``stats``).
 
-- Each replica caches full blocks in an LRU of ``capacity_tokens`` (unbounded when None).
-  Blocks of requests in flight are pinned; a pinned block met by the eviction scan moves to
-  the most-recent end. A block that cannot get a slot (everything pinned) is not cached.
-- A replica runs at most ``max_seqs`` sequences at once; later requests queue FIFO. A
-  request's cache look-up and its stores happen when it starts (vLLM caches blocks when it
-  schedules them); starts on one replica are at least 1 ns apart, so a request sees the
-  stores of every request started before it and never its own.
-- Look-up: the longest prefix of full blocks resident on the replica's GPU is a local hit;
-  the chain then continues in the shared pool (``pool_tokens``), each block loaded with a
-  ``transfers`` row (status ok) and cached locally; the rest is computed, cached, and written
-  to the pool. A prompt without a partial tail whose every block is found still computes
-  its last block (the engine computes at least one prompt token).
-- Time: TTFT = queue + pool load + prefill of the computed tokens; the sequence then holds
-  its slot for decode (analyzers/costs.py: every figure modelled, none measured).
-- The pool is shared and the simulator walks requests in arrival order, so when replicas
-  queue, a request can find a block a slightly later-starting request wrote. The transfer
-  row makes the ledger count it as hit_remote all the same.
+Two engines:
+
+- ``vllm`` (the default): vLLM's block pool (analyzers/vllm_cache.py) and continuous-batching
+  scheduler (analyzers/scheduler.py), rule for rule as vLLM 0.32.0, with a step-time model
+  (analyzers/step_time.py). Checked against a real engine's per-request ``cached_tokens``
+  (tests/test_simulate_vllm.py on the captures under tests/data/).
+- ``lru``: the first engine (analyzers/sim_lru.py): an LRU of prompt blocks and ``max_seqs``
+  slots each holding a sequence for its prefill plus a fixed time per output token.
+
+Routing: ``recorded`` keeps each request on its recorded replica (validate a what-if against
+what the fleet did, then change one knob); ``round_robin``, ``random``, ``session_affinity``,
+``prefix_hash`` decide from the request alone; ``cache_aware`` routes to the longest cached
+prefix at arrival (with ``load_factor``: to the least loaded replica when that one has more
+than K x the mean in-flight requests). ``rate_scale`` K replays the arrivals K times denser.
 """
 
 from __future__ import annotations
 
-import heapq
-import zlib
-from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Any
-
-import numpy as np
 import polars as pl
 
-from analyzers import costs
-from kvlens.errors import ConfigError
+from analyzers import step_time
+from analyzers.sim_config import Engine, SimConfig, SimResult, check, recorded_routes, static_routes
+from analyzers.sim_lru import simulate_lru
+from analyzers.sim_vllm import prepare, simulate_vllm
 from kvlens.models import ModelGeometry
 from kvlens.schema import RoutingPolicy
 
-__all__ = ["SimConfig", "SimResult", "simulate"]
+__all__ = ["Engine", "SimConfig", "SimResult", "simulate"]
 
 
-@dataclass(frozen=True)
-class SimConfig:
-    replicas: int
-    capacity_tokens: int | None = None
-    pool_tokens: int | None = None
-    routing: RoutingPolicy = RoutingPolicy.ROUND_ROBIN
-    load_factor: float | None = None
-    seed: int = 0
-    max_seqs: int = 8
-    prefix_blocks: int = 4
-    # cache_aware prefers the longest resident prefix only when it covers at least this share
-    # of the request's full blocks; below it the request goes to the least loaded replica
-    # (the match-rate threshold of SGLang's cache-aware router; without it every request
-    # follows a shared first block to the replica that saw it first).
-    cache_threshold: float = 0.5
-    device: costs.DeviceModel = costs.DEFAULT_DEVICE
+def _ordered(requests: pl.DataFrame, rate_scale: float) -> pl.DataFrame:
+    reqs = requests.unique("request_id", keep="first").sort("arrival_ns", "request_id")
+    if reqs.is_empty() and "prompt_tokens" in reqs.columns:
+        return reqs
+    if rate_scale != 1.0:
+        t0 = reqs["arrival_ns"].min()
+        reqs = reqs.with_columns(
+            arrival_ns=(pl.lit(t0) + ((pl.col("arrival_ns") - t0) / rate_scale).round().cast(pl.Int64)))
+    return reqs
 
 
-@dataclass
-class SimResult:
-    """Lake rows of the what-if, by table, plus the simulator's own counts for cross-checks."""
-
-    tables: dict[str, pl.DataFrame]
-    hit_tokens: int = 0
-    uncached_blocks: int = 0
-    stats: dict[str, Any] = field(default_factory=dict)
-
-
-class _Lru:
-    """An LRU set of block hashes with pins; reports what it evicts."""
-
-    def __init__(self, capacity_blocks: int | None) -> None:
-        self.capacity = capacity_blocks
-        self.blocks: OrderedDict[int, None] = OrderedDict()
-        self.pins: dict[int, int] = {}
-
-    def __contains__(self, h: int) -> bool:
-        return h in self.blocks
-
-    def touch(self, h: int) -> None:
-        self.blocks.move_to_end(h)
-
-    def insert(self, h: int, evicted: list[int]) -> bool:
-        """Cache ``h``; evicted hashes are appended to ``evicted``. False if no slot is free."""
-        if self.capacity is not None:
-            scanned = 0
-            while len(self.blocks) >= self.capacity:
-                if scanned >= len(self.blocks):
-                    return False
-                victim = next(iter(self.blocks))
-                if self.pins.get(victim):
-                    self.blocks.move_to_end(victim)
-                    scanned += 1
-                    continue
-                del self.blocks[victim]
-                evicted.append(victim)
-        self.blocks[h] = None
-        return True
-
-    def pin(self, hashes: list[int], delta: int) -> None:
-        for h in hashes:
-            n = self.pins.get(h, 0) + delta
-            if n > 0:
-                self.pins[h] = n
-            else:
-                self.pins.pop(h, None)
-
-
-@dataclass
-class _Replica:
-    name: str
-    cache: _Lru
-    slots: list[int] = field(default_factory=list)  # busy-until times of running sequences
-    inflight: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (end, seq, pinned)
-    last_start: int = -1
-    seq: int = 0
-
-    def load(self, now: int) -> int:
-        while self.inflight and self.inflight[0][0] <= now:
-            _end, _s, pinned = heapq.heappop(self.inflight)
-            self.cache.pin(pinned, -1)
-        return len(self.inflight)
-
-
-class _Events:
-    """Column buffers for kv_events, transfers and the simulated requests."""
-
-    def __init__(self) -> None:
-        self.ev: dict[str, list[Any]] = {k: [] for k in (
-            "ts_ns", "recv_ns", "replica", "dp_rank", "seq", "kind", "block_hash", "parent_hash", "position",
-            "block_tokens", "medium", "content_hash", "namespace", "session_id")}
-        self.xfer: dict[str, list[Any]] = {k: [] for k in (
-            "request_id", "ts_ns", "replica", "origin", "block_hash", "blocks", "bytes", "duration_ms",
-            "status")}
-
-    def event(self, ts: int, replica: str, seq: int, kind: str, blk: dict[str, Any], medium: str) -> None:
-        e = self.ev
-        for k, v in (("ts_ns", ts), ("recv_ns", ts), ("replica", replica), ("dp_rank", 0), ("seq", seq),
-                     ("kind", kind), ("block_hash", blk["h"]), ("parent_hash", blk.get("parent")),
-                     ("position", blk.get("pos")), ("block_tokens", blk.get("tokens")), ("medium", medium),
-                     ("content_hash", blk.get("c")), ("namespace", blk.get("ns")),
-                     ("session_id", blk.get("session"))):
-            e[k].append(v)
-
-    def transfer(self, rid: str, ts: int, replica: str, origin: str, h: int, nbytes: int, ms: float) -> None:
-        for k, v in (("request_id", rid), ("ts_ns", ts), ("replica", replica), ("origin", origin),
-                     ("block_hash", h), ("blocks", 1), ("bytes", nbytes), ("duration_ms", ms),
-                     ("status", "ok")):
-            self.xfer[k].append(v)
-
-
-def _route(cfg: SimConfig, reps: list[_Replica], i: int, req: dict[str, Any], full: list[int],
-           rng: np.random.Generator, now: int) -> int:
-    n = len(reps)
-    policy = cfg.routing
-    if policy == RoutingPolicy.ROUND_ROBIN:
-        return i % n
-    if policy == RoutingPolicy.RANDOM:
-        return int(rng.integers(n))
-    if policy == RoutingPolicy.SESSION_AFFINITY and req.get("session_id"):
-        return zlib.crc32(str(req["session_id"]).encode()) % n
-    if policy in (RoutingPolicy.SESSION_AFFINITY, RoutingPolicy.PREFIX_HASH):
-        # Without a session id a conversation is known by its first blocks (one shared system
-        # prompt block alone would send every request to one replica).
-        head = full[: cfg.prefix_blocks] or [zlib.crc32(req["request_id"].encode())]
-        return zlib.crc32(np.array(head, dtype=np.uint64).tobytes()) % n
-    loads = [r.load(now) for r in reps]
-    least = min(range(n), key=lambda k: (loads[k], k))
-    best, best_key = least, (-1, 0)
-    for idx, rep in enumerate(reps):
-        matched = 0
-        for h in full:
-            if h not in rep.cache:
-                break
-            matched += 1
-        key = (matched, -loads[idx])
-        if key > best_key:
-            best, best_key = idx, key
-    if not full or best_key[0] < cfg.cache_threshold * len(full):
-        best = least
-    if cfg.load_factor is not None:
-        mean = sum(loads) / n
-        if mean > 0 and loads[best] > cfg.load_factor * mean:
-            best = least
-    return best
-
-
-def _block_lists(blocks: pl.DataFrame, sessions: dict[str, Any]) -> dict[str, list[dict[str, Any]]]:
-    """request id -> its blocks in position order, as small dicts (h, c, ns, tokens, full, ...)."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    rows = blocks.sort("request_id", "position").iter_rows(named=True)
-    for row in rows:
-        lst = out.setdefault(row["request_id"], [])
-        lst.append({"h": row["block_hash"], "c": row["content_hash"], "ns": row["namespace"],
-                    "tokens": row["block_tokens"], "pos": row["position"],
-                    "full": row["block_tokens"] >= row["block_size_tokens"],
-                    "parent": lst[-1]["h"] if lst else None, "session": sessions.get(row["request_id"])})
-    return out
-
-
-def _check(cfg: SimConfig) -> None:
-    if cfg.replicas < 1:
-        raise ConfigError(f"--replicas must be at least 1, got {cfg.replicas}")
-    for name, value in (("--capacity-tokens", cfg.capacity_tokens), ("--pool-tokens", cfg.pool_tokens)):
-        if value is not None and value <= 0:
-            raise ConfigError(f"{name} must be positive, got {value}")
-    if cfg.load_factor is not None and cfg.load_factor <= 0:
-        raise ConfigError(f"--load-factor must be positive, got {cfg.load_factor}")
+def _prompts(reqs: pl.DataFrame, blocks: pl.DataFrame) -> pl.DataFrame:
+    """Fill a missing prompt length from the request's blocks."""
+    sums = blocks.group_by("request_id").agg(pl.col("block_tokens").sum().alias("_sum"))
+    return (reqs.join(sums, on="request_id", how="left", maintain_order="left")
+            .with_columns(prompt_tokens=pl.coalesce("prompt_tokens", "_sum", pl.lit(0))).drop("_sum"))
 
 
 def simulate(*, requests: pl.DataFrame, request_blocks: pl.DataFrame, config: SimConfig,
@@ -217,109 +59,20 @@ def simulate(*, requests: pl.DataFrame, request_blocks: pl.DataFrame, config: Si
     """Replay ``requests`` (with their ``request_blocks``) under ``config``; rows for the lake.
 
     Returns frames for ``requests``, ``request_blocks``, ``kv_events`` and ``transfers``
-    (without ``scenario``: the writer sets it), sorted by time.
+    (without ``scenario``: the writer sets it). ``stats`` has the step model's label.
     """
-    _check(config)
-    largest = request_blocks["block_size_tokens"].max() if request_blocks.height else None
-    block_tokens = int(largest) if isinstance(largest, int) and largest > 0 else 1
-    cap = None if config.capacity_tokens is None else max(config.capacity_tokens // block_tokens, 1)
-    reps = [_Replica(f"replica-{i}", _Lru(cap)) for i in range(config.replicas)]
-    pool = _Lru(config.pool_tokens // block_tokens) if config.pool_tokens else None
-    per_token = model.kv_bytes_per_token()
-    reqs = requests.unique("request_id", keep="first").sort("arrival_ns", "request_id")
-    sessions = dict(zip(reqs["request_id"].to_list(), reqs["session_id"].to_list(), strict=True))
-    by_req = _block_lists(request_blocks, sessions)
-    rng = np.random.default_rng(config.seed)
-    out = _Events()
-    rows: list[dict[str, Any]] = []
-    result = SimResult(tables={})
-    pool_seq = 0
-    for i, req in enumerate(reqs.iter_rows(named=True)):
-        blocks = by_req.get(req["request_id"], [])
-        full = [b for b in blocks if b["full"]]
-        prompt = req["prompt_tokens"]
-        if prompt is None:
-            prompt = sum(b["tokens"] for b in blocks)
-        rep = reps[_route(config, reps, i, req, [b["h"] for b in full], rng, req["arrival_ns"])]
-        start = max(req["arrival_ns"], rep.last_start + 1)
-        while rep.slots and rep.slots[0] <= start:
-            heapq.heappop(rep.slots)
-        if len(rep.slots) >= config.max_seqs:
-            start = max(start, heapq.heappop(rep.slots))
-        rep.last_start = start
-        rep.load(start)
-        local = 0
-        for b in full:
-            if b["h"] not in rep.cache:
-                break
-            rep.cache.touch(b["h"])
-            local += 1
-        pooled = 0
-        if pool is not None:
-            for b in full[local:]:
-                if b["h"] not in pool:
-                    break
-                pool.touch(b["h"])
-                pooled += 1
-        usable = local + pooled
-        if usable == len(full) and usable and prompt == sum(b["tokens"] for b in full):
-            usable -= 1  # the engine computes at least one prompt token
-        loads = full[local:usable]
-        cached = sum(b["tokens"] for b in full[:usable])
-        rep.seq += 1
-        hits = [b["h"] for b in full[:local]]
-        rep.cache.pin(hits, +1)
-        pinned = list(hits)
-        load_bytes = sum(b["tokens"] for b in loads) * per_token
-        load_ms = costs.load_ms(load_bytes, config.device)
-        for b in loads:
-            out.transfer(req["request_id"], start, rep.name, "pool", b["h"], b["tokens"] * per_token,
-                         load_ms * b["tokens"] * per_token / max(load_bytes, 1))
-        for b in full[local:]:
-            evicted: list[int] = []
-            if rep.cache.insert(b["h"], evicted):
-                for h in evicted:
-                    out.event(start, rep.name, rep.seq, "removed", {"h": h}, "gpu")
-                out.event(start, rep.name, rep.seq, "stored", b, "gpu")
-                rep.cache.pin([b["h"]], +1)
-                pinned.append(b["h"])
-            else:
-                result.uncached_blocks += 1
-        if pool is not None:
-            pool_seq += 1
-            for b in full[usable:]:
-                if b["h"] in pool:
-                    continue
-                evicted = []
-                pool.insert(b["h"], evicted)
-                for h in evicted:
-                    out.event(start, "pool", pool_seq, "removed", {"h": h}, "pool")
-                out.event(start, "pool", pool_seq, "stored", b, "pool")
-                out.transfer(req["request_id"], start, "pool", rep.name, b["h"], b["tokens"] * per_token,
-                             0.0)
-        prefill = costs.prefill_ms(model, prompt - cached, cached, config.device)
-        queue_ms = (start - req["arrival_ns"]) / 1e6
-        ttft_ms = queue_ms + load_ms + prefill
-        busy_ms = load_ms + prefill + costs.decode_ms(req["output_tokens"] or 0, config.device)
-        end = start + max(int(busy_ms * 1e6), 1)
-        heapq.heappush(rep.slots, end)
-        heapq.heappush(rep.inflight, (end, i, pinned))
-        result.hit_tokens += cached
-        rows.append({
-            "request_id": req["request_id"], "arrival_ns": req["arrival_ns"],
-            "first_token_ns": req["arrival_ns"] + int(ttft_ms * 1e6), "end_ns": end,
-            "replica": rep.name, "model": req["model"] or model.name,
-            "tenant": req["tenant"], "session_id": req["session_id"], "prompt_tokens": prompt,
-            "output_tokens": req["output_tokens"], "cached_tokens": cached, "ttft_ms": ttft_ms,
-            "queue_ms": queue_ms, "prefill_ms": prefill, "source": "sim"})
-    result.tables = {
-        "requests": pl.DataFrame(rows, infer_schema_length=None),
-        "request_blocks": request_blocks.drop("scenario", strict=False),
-        "kv_events": pl.DataFrame(out.ev, schema_overrides={
-            "block_hash": pl.UInt64, "parent_hash": pl.UInt64, "content_hash": pl.UInt64,
-            "seq": pl.UInt64}),
-        "transfers": pl.DataFrame(out.xfer, schema_overrides={"block_hash": pl.UInt64}),
-    }
-    result.stats = {"requests": len(rows), "events": len(out.ev["ts_ns"]),
-                    "transfers": len(out.xfer["ts_ns"])}
-    return result
+    check(config)
+    reqs = _prompts(_ordered(requests, config.rate_scale), request_blocks)
+    names = [f"replica-{i}" for i in range(config.replicas)]
+    fixed = None
+    if config.routing == RoutingPolicy.RECORDED:
+        fixed, names = recorded_routes(config, reqs)
+    if config.engine == Engine.LRU:
+        return simulate_lru(requests=reqs, request_blocks=request_blocks, config=config, model=model,
+                            fixed=fixed, names=names)
+    prep = prepare(reqs, request_blocks)
+    if fixed is None:
+        fixed = static_routes(config, reqs, prep.heads())
+    step = config.step_model or step_time.modelled(model, config.device)
+    return simulate_vllm(prep=prep, config=config, model=model, fixed=fixed, names=names, step=step,
+                         request_blocks=request_blocks)

@@ -291,26 +291,45 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
 @click.option("--from", "source", required=True, help="Scenario whose requests are replayed.")
 @click.option("--scenario", required=True, help="Name of the what-if scenario to write (replaced).")
 @click.option("--replicas", type=click.IntRange(min=1), required=True, help="Number of replicas.")
+@click.option("--engine", type=click.Choice(["vllm", "lru"]), default="vllm", show_default=True,
+              help="vllm: vLLM's block pool and continuous batching; lru: an LRU of prompt blocks and "
+                   "max-seqs slots.")
+@click.option("--gpu-blocks", type=click.IntRange(min=2), default=None,
+              help="KV blocks per replica, counted as vLLM's --num-gpu-blocks-override (its null block "
+                   "included).")
 @click.option("--capacity-tokens", type=click.IntRange(min=1), default=None,
-              help="GPU prefix-cache capacity per replica, in tokens (default: unbounded).")
+              help="Shorthand for --gpu-blocks: cached tokens per replica (with neither: unbounded).")
+@click.option("--max-seqs", type=click.IntRange(min=1), default=None,
+              help="Running sequences per replica (vLLM's --max-num-seqs; default 1024, lru: 8).")
+@click.option("--max-batched-tokens", type=click.IntRange(min=1), default=None,
+              help="Tokens per step (vLLM's --max-num-batched-tokens; default 8192, H100's).")
 @click.option("--pool-tokens", type=click.IntRange(min=1), default=None, help="Shared pool tier, in tokens.")
 @click.option("--routing", type=click.Choice([p.value for p in _routing_policies()]), default="round_robin",
-              show_default=True)
+              show_default=True, help="recorded: each request stays on the replica it was recorded on.")
 @click.option("--load-factor", type=float, default=None,
               help="cache_aware: send to the least loaded replica when the chosen one has more than "
                    "K x the mean in-flight requests.")
-@click.option("--max-seqs", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Concurrent sequences per replica; more queue.")
+@click.option("--calibrate", default=None, metavar="SCENARIO",
+              help="Fit the step time to this scenario's measured spans (prefill vs computed tokens, TPOT).")
+@click.option("--rate-scale", type=float, default=1.0, show_default=True,
+              help="Replay the arrivals K times denser (inter-arrival times divided by K).")
 @click.option("--model", default=None, help="Model geometry (default: the requests' model).")
 @_model_config_option
 @click.option("--seed", type=int, default=0, show_default=True)
-def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, capacity_tokens: int | None,
-                 pool_tokens: int | None, routing: str, load_factor: float | None, max_seqs: int,
-                 model: str | None, model_config: str | None, seed: int) -> None:
+def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, engine: str, gpu_blocks: int | None,
+                 capacity_tokens: int | None, max_seqs: int | None, max_batched_tokens: int | None,
+                 pool_tokens: int | None, routing: str, load_factor: float | None, calibrate: str | None,
+                 rate_scale: float, model: str | None, model_config: str | None, seed: int) -> None:
     """Replay a scenario's requests on N replicas under a routing policy; write a what-if scenario.
+
+    Every time it writes is modelled; the step-time model it used is printed.
 
     Example: kvlens simulate --lake lake --from conv --scenario rr8 --replicas 8 --routing round_robin
     """
+    from analyzers import step_time
+    from analyzers.costs import cost_model
+    from analyzers.join import join_sources
+    from analyzers.sim_config import DEFAULT_MAX_BATCHED_TOKENS, Engine
     from analyzers.simulate import SimConfig, simulate
     from kvlens.errors import NoDataError
     from kvlens.lake import write_scenario
@@ -324,12 +343,29 @@ def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, capacity_
     blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = ?", params=[source]).pl()
     _given_model(model, model_config)  # a bad --model / --model-config fails before any work
     geometry, _ = _scenario_model(con, source, model, model_config)
+    step = None
+    if calibrate is not None:
+        spans, _report = join_sources(requests=con.table("requests"), scenario=calibrate, sources=[source])
+        step = step_time.calibrated(spans, geometry, calibrate)
+    elif engine == "vllm":
+        probe = cost_model(probe_runs=con.table("probe_runs"), model=geometry)
+        step = step_time.modelled(geometry, costs=probe)
     config = SimConfig(replicas=replicas, capacity_tokens=capacity_tokens, pool_tokens=pool_tokens,
-                       routing=RoutingPolicy(routing), load_factor=load_factor, seed=seed, max_seqs=max_seqs)
+                       routing=RoutingPolicy(routing), load_factor=load_factor, seed=seed, max_seqs=max_seqs,
+                       engine=Engine(engine), gpu_blocks=gpu_blocks,
+                       max_batched_tokens=max_batched_tokens or DEFAULT_MAX_BATCHED_TOKENS, step_model=step,
+                       rate_scale=rate_scale)
     result = simulate(requests=reqs, request_blocks=blocks, config=config, model=geometry)
     counts = write_scenario(lake, scenario, {k: v.to_arrow() for k, v in result.tables.items()},
                             writer_id="simulate")
     click.echo(f"scenario {scenario!r}: " + ", ".join(f"{n:,} {t}" for t, n in counts.items()))
+    if engine == "vllm":
+        st = result.stats
+        click.echo(f"  {st['gpu_blocks']:,} blocks of {st['block_tokens']} tokens per replica, "
+                   f"{st['steps']:,} steps, {st['preemptions']:,} preemptions; times are {st['step_model']}")
+    else:
+        click.echo("  times are modelled: prefill FLOPs at the device's efficiency, "
+                   f"{config.device.decode_ms_per_token:g} ms per output token")
 
 
 @cli.group("collect")

@@ -87,6 +87,7 @@ class TransferStatus(enum.StrEnum):
 
 
 class RoutingPolicy(enum.StrEnum):
+    RECORDED = "recorded"  # each request stays on the replica it was recorded on (a what-if's baseline)
     ROUND_ROBIN = "round_robin"
     RANDOM = "random"
     SESSION_AFFINITY = "session_affinity"

@@ -45,8 +45,8 @@ def test_scrape_equals_sql_sums(demo_workdir: Path) -> None:
     assert sum(1 for name, _ in got if name == "kvlens_prompt_tokens") == len(ledger)
     _, ratios = query("""
         SELECT r.scenario, r.replica,
-               sum(l.tokens) FILTER (WHERE l.outcome LIKE 'hit_%') / any_value(r.prompt),
-               sum(l.bytes) FILTER (WHERE l.outcome LIKE 'hit_%')
+               coalesce(sum(l.tokens) FILTER (WHERE l.outcome LIKE 'hit_%'), 0) / any_value(r.prompt),
+               coalesce(sum(l.bytes) FILTER (WHERE l.outcome LIKE 'hit_%'), 0)
                    / (any_value(r.prompt) * any_value(s.kv_bytes_per_token))
         FROM (SELECT scenario, replica, sum(prompt_tokens) AS prompt FROM request_ledger GROUP BY ALL) r
         JOIN miss_ledger l USING (scenario, replica) JOIN scenarios s USING (scenario) GROUP BY ALL""", db=db)

@@ -224,7 +224,7 @@ def test_default_now_is_each_scenarios_latest_arrival(demo_workdir: Path, tmp_pa
     out = write_report(demo_workdir / "kvlens.duckdb", tmp_path / "r.html")
     page = out.read_text()
     # The conversation trace's last arrival is 00:58:56.999: its what-ifs end just after it.
-    assert "to 2025-01-01 00:58:56 UTC: cache8, cache8-lf1.5, rr8." in page
+    assert "to 2025-01-01 00:58:56 UTC: cache8, cache8-lf2, rr8." in page
     assert "12,031" in page  # every request of the trace is in the 24 h window
 
 

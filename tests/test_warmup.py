@@ -111,6 +111,8 @@ def test_demo_replicas_warm_up(demo_workdir: Path) -> None:
     assert len(rows) == replicas
     for _rep, first, steady, lost, prewarm, ledger_first in rows:
         assert first == ledger_first
-        # Every replica starts cold at the trace start: warm-up takes time and costs tokens.
+        # Every replica starts cold at the trace start: warm-up takes time; it costs tokens beyond
+        # the fleet's steady hit ratio wherever the early requests hit less than that ratio.
         assert steady is not None and steady > 0
-        assert lost > 0 and prewarm > 0
+        assert lost >= 0 and prewarm > 0
+    assert sum(row[3] > 0 for row in rows) > len(rows) // 2
