@@ -213,6 +213,24 @@ class KvColumns:
         self._clear()
         return pa.table({c: cols[c] for c in self.names})
 
+    def take_arrow_salvaged(self) -> tuple[pa.Table, list[dict[str, Any]]]:
+        """``take_arrow`` event by event, for when it failed: (the rows Arrow takes, the rows it refuses)."""
+        schema = arrow_schema(KV_EVENTS)
+        good: list[pa.Table] = []
+        refused: list[dict[str, Any]] = []
+        start = 0
+        for event, n in zip(self.events, self.counts, strict=True):
+            head = dict(zip(_PER_EVENT, event, strict=True))
+            rows = [{**head, **{c: v[j] for c, v in self.per_block.items()}} for j in range(start, start + n)]
+            start += n
+            try:
+                good.append(pa.Table.from_pylist(rows, schema=schema))
+            except (pa.ArrowException, OverflowError, TypeError, ValueError):
+                refused.extend(rows)
+        self._clear()
+        table = pa.concat_tables(good) if good else schema.empty_table()
+        return table.select(list(self.names)), refused
+
     def take(self) -> dict[str, list[Any]]:
         return self.take_arrow().to_pydict()
 

@@ -554,7 +554,7 @@ def test_poison_lines_are_bad_lines_through_the_cli(tmp_path: Path, write_jsonl:
 
 
 def test_bailian_infinite_timestamp_is_a_bad_line(write_jsonl: Callable[..., Path], tmp_path: Path) -> None:
-    path = write_jsonl("b.jsonl", ['{"chat_id": 1, "timestamp": 1e308, "input_length": 16, "output_length": 1, '
-                                   '"hash_ids": [1]}'])
+    path = write_jsonl("b.jsonl", ['{"chat_id": 1, "timestamp": 1e308, "input_length": 16, '
+                                   '"output_length": 1, "hash_ids": [1]}'])
     with pytest.raises(InputError, match="timestamp"):
         import_files("bailian", [path], tmp_path / "lake")
