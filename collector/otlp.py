@@ -199,7 +199,8 @@ def _pb_attrs(attributes: Iterable[Any], wanted: frozenset[str]) -> dict[str, An
     return out
 
 
-def parse_otlp_protobuf(body: bytes, *, replica: str | None = None, model: str | None = None) -> SpanBatch:
+def parse_otlp_protobuf(body: bytes | bytearray, *, replica: str | None = None,
+                        model: str | None = None) -> SpanBatch:
     """Rows from a protobuf ``ExportTraceServiceRequest``; OtlpDecodeError when it is not one."""
     msg = ExportTraceServiceRequest()
     try:

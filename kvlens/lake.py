@@ -154,6 +154,12 @@ class SegmentWriter:
     def buffered_rows(self) -> int:
         return self._buffered
 
+    def take_buffer(self) -> pa.Table:
+        """The buffered rows, removed from the writer (to spill them elsewhere when the lake refuses)."""
+        data = pa.concat_tables(self._chunks) if self._chunks else self.schema.empty_table()
+        self._chunks, self._buffered, self._oldest = [], 0, None
+        return data
+
     def append_rows(self, rows: Iterable[Mapping[str, Any]]) -> None:
         self._add(pa.Table.from_pylist(list(rows), schema=self.schema))
 
