@@ -1,4 +1,4 @@
-"""One decoder under atheris (libFuzzer, coverage-guided): python tests/fuzz/fuzz_one.py NAME [libFuzzer flags].
+"""One decoder under atheris (libFuzzer, coverage-guided): fuzz_one.py NAME [libFuzzer flags].
 
 The collector and spine modules are instrumented for coverage; each input goes through
 ``fuzz.harness.check``, and a finding (an exception outside the decoder's error tree, or a poison
@@ -19,7 +19,7 @@ import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `fuzz`
 
-import collector.hashing  # noqa: E402, F401  numba-compiled: loaded before (and so without) instrumentation
+import collector.hashing  # noqa: F401  numba-compiled: loaded before (so without) instrumentation
 
 with atheris.instrument_imports(include=["collector", "kvlens", "fuzz"]):
     from fuzz.harness import KINDS, check, save
