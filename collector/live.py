@@ -28,14 +28,15 @@ only moves multipart messages into a queue bounded in batches *and* bytes. The
   its column cannot hold) are counted by reason, logged with their first bytes, and skipped.
 - A sequence number is trusted only from a frame that decodes: an unreadable live frame
   moves nothing (its batch comes back through the replay, which vouches for its number, or
-  is recorded as lost). A jump forward is trusted when the publisher's replay holds a batch
-  at or past it (vLLM's publisher fills its ring before it serves a replay, on one thread:
-  ``vllm/distributed/kv_events.py``, ``ZmqEventPublisher._publisher_thread``), or, without an
-  answer from the replay, when it is at most ``max_gap_batches``, or when the next frame goes
-  on from it. A lower number with a newer engine time is a restart only when the replay holds
-  that very batch (a new process's ring), or, without a replay, by the time alone. Anything
-  else is a stray (``decode_errors{reason="stray_seq"}``): dropped, no gap, no clear, no
-  replay of the ring again.
+  is recorded as lost). A jump forward is trusted when the publisher's replay (asked from the
+  last batch taken, so that a ring that holds anything answers with something) holds a batch
+  at or past it: vLLM's publisher fills its ring before it serves a replay, on one thread
+  (``vllm/distributed/kv_events.py``, ``ZmqEventPublisher._publisher_thread``). With no replay,
+  no answer or an empty ring, a jump is trusted when it is at most ``max_gap_batches``, or
+  when the next frame goes on from a refused one. A lower number with a newer engine time is
+  a restart only when the replay holds that very batch (a new process's ring), or, with no
+  word from a replay, by the time alone. Anything else is a stray
+  (``decode_errors{reason="stray_seq"}``): dropped, no gap, no clear, no replay of the ring.
 - One batch never stops collection: a batch is decoded all or nothing, a decoder bug costs
   that batch (counted as ``internal``), and rows Arrow refuses are written aside to
   ``LAKE/.quarantine/`` (counted) while the rest of their chunk is written. A lake write
@@ -444,7 +445,7 @@ class LiveCollector:
         if ts_ns <= pub.last_ts_ns:
             self.metrics.duplicates.labels(replica=pub.replica).inc()
             return False
-        if self._replay_holds(pub, seq, payload) is False and not pub.continues_stray(seq):
+        if self._replay_holds(pub, seq, payload) is False:
             self._stray(pub, seq, payload, "the publisher's replay does not hold it: not a restart")
             return False
         pub.stray_seq = None
@@ -470,9 +471,12 @@ class LiveCollector:
         newest = None
         if self.opt.sources[pub.source].replay:
             newest = self._replay(pub, start, reason="gap", upto=seq - 1)
-        trusted = newest >= seq if newest is not None else seq - start <= self.opt.max_gap_batches
-        if not trusted and not pub.continues_stray(seq):
-            why = (f"the publisher's replay holds nothing past {newest}" if newest is not None
+        if newest is not None and newest >= 0:  # the replay answered from its ring: its word is final
+            trusted = newest >= seq
+        else:  # no replay, no answer, or an empty ring: a plausible jump, or one the stream goes on from
+            trusted = seq - start <= self.opt.max_gap_batches or pub.continues_stray(seq)
+        if not trusted:
+            why = (f"the publisher's replay holds nothing past {newest}" if newest is not None and newest >= 0
                    else f"a jump of {seq - start:,} batches, past max_gap_batches, with no replay to ask")
             self._stray(pub, seq, payload, why)
             return False
@@ -559,7 +563,9 @@ class LiveCollector:
         for _ in range(self.opt.replay_rounds):
             self.metrics.replay_requests.labels(replica=pub.replica).inc()
             before = pub.last_seq
-            complete, held = self._replay_round(pub, endpoint, pub.last_seq + 1)
+            # from the last batch taken, not the next: a ring that still holds it answers with at
+            # least that one, so an answer with nothing newer says the jump is not real
+            complete, held = self._replay_round(pub, endpoint, max(0, pub.last_seq))
             if held is not None:
                 newest = held if newest is None else max(newest, held)
             if complete or pub.last_seq == before or (upto is not None and pub.last_seq >= upto):
@@ -606,7 +612,8 @@ class LiveCollector:
             sock.close(0)
 
     def _replay_holds(self, pub: _Pub, seq: int, payload: bytes) -> bool | None:
-        """Whether the publisher's replay holds exactly this batch at ``seq``; None without an answer."""
+        """Whether the publisher's replay holds exactly this batch at ``seq``; None without an answer
+        (or with an empty ring)."""
         endpoint = self.opt.sources[pub.source].replay
         if not endpoint:
             return None
@@ -618,7 +625,8 @@ class LiveCollector:
             if not sock.poll(int(self.opt.replay_timeout_s * 1000)):
                 return None
             first = _replay_reply(sock.recv_multipart())
-            return first is not None and first == (seq, payload)
+            # nothing at or past seq: an empty ring (the publisher keeps none), which tells nothing
+            return None if first is None else first == (seq, payload)
         except zmq.ZMQError as e:
             log.warning("replay from %s failed: %s", endpoint, e)
             return None
