@@ -480,10 +480,10 @@ def _ts_ns(ts: float) -> int:
     """Engine seconds (or Mooncake Store milliseconds) as int64 ns since the epoch, or DecodeError."""
     if not math.isfinite(ts) or ts < 0:
         raise DecodeError("ts", f"batch time {ts!r} is not a time since the epoch")
-    ns = int(ts * 1_000_000) if ts > _TS_MS_ABOVE else int(ts * 1e9)
-    if ns > INT64_MAX:
+    scaled = ts * 1_000_000 if ts > _TS_MS_ABOVE else ts * 1e9  # inf past 1.8e302: compare, then convert
+    if not scaled <= INT64_MAX:
         raise DecodeError("ts", f"batch time {ts!r} is past the int64 nanosecond range (year 2262)")
-    return ns
+    return int(scaled)
 
 
 def _dp_rank(value: int | None) -> int | None:
