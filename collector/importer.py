@@ -231,6 +231,8 @@ def _lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
             if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
                 while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
                     pass
+                yield lineno, line, raw.tell()  # not stripped: still past the limit for decode_line
+                continue
             yield lineno, line.strip(), raw.tell()
 
 

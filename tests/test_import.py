@@ -558,3 +558,14 @@ def test_bailian_infinite_timestamp_is_a_bad_line(write_jsonl: Callable[..., Pat
                                    '"output_length": 1, "hash_ids": [1]}'])
     with pytest.raises(InputError, match="timestamp"):
         import_files("bailian", [path], tmp_path / "lake")
+
+
+def test_a_line_past_the_length_limit_is_a_bad_line(write_jsonl: Callable[..., Path], tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importer, "MAX_LINE_BYTES", 200)  # 64 MiB in earnest: only the limit is smaller
+    good = '{"request_id": "g", "arrival_ns": 1, "prompt_tokens": 16, "block_hashes": [3]}'
+    long = '{"request_id": "x", "arrival_ns": 1, "prompt_tokens": 16, "block_hashes": [' + "1, " * 400 + "1]}"
+    path = write_jsonl("long.jsonl", [long, good])
+    result = import_files("gateway", [path], tmp_path / "lake", skip_bad_lines=True)
+    assert (result.requests, result.bad_lines) == (1, 1)
+    assert "longer than the limit" in result.first_bad[0]
