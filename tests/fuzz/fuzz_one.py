@@ -41,12 +41,15 @@ def test_one(data: bytes) -> None:
 def custom_mutator(data: bytes, max_size: int, seed: int) -> bytes:
     rng = random.Random(seed)
     if rng.random() < 0.5:
-        out: bytes | None = None
-        if NAME == "otlp_protobuf" and rng.random() < 0.5:
-            out = protobuf_mutant(data, rng)
-        if out is None:
-            out = mutate(data, rng, kind=KIND, others=POOL, prefix=PREFIX)
-        return out[:max_size]
+        try:
+            out: bytes | None = None
+            if NAME == "otlp_protobuf" and rng.random() < 0.5:
+                out = protobuf_mutant(data, rng)
+            if out is None:
+                out = mutate(data, rng, kind=KIND, others=POOL, prefix=PREFIX)
+            return out[:max_size]
+        except RecursionError:  # an input nested too deep for the mutator itself: mutate bytes instead
+            pass
     return bytes(atheris.Mutate(data, max_size))
 
 

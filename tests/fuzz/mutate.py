@@ -37,7 +37,7 @@ def _deep(rng: random.Random) -> Any:
 
 def _leaves(obj: Any, path: tuple[Any, ...], out: list[tuple[Any, ...]]) -> None:
     out.append(path)
-    if len(out) > 4000:
+    if len(out) > 4000 or len(path) > 64:  # the mutator's own recursion stays shallow
         return
     if isinstance(obj, list):
         for i, v in enumerate(obj[:64]):
