@@ -31,7 +31,7 @@ import msgspec
 
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import SegmentWriter, commit_together
-from kvlens.limits import INT32_MAX, INT64_MAX, fits, row_problem
+from kvlens.limits import INT32_MAX, INT64_MAX, fits, ints_fit, row_problem
 from kvlens.schema import REQUEST_BLOCKS, REQUESTS
 
 __all__ = [
@@ -379,8 +379,8 @@ def _check_rows(p: Parsed) -> None:
         raise FieldError("block_hashes", f"{len(p.block_hashes)} hashes for {len(p.block_tokens)} blocks")
     for column, attr in _BLOCK_CHECKS:
         values = getattr(p, attr)
-        bad = next((v for v in values or () if not fits(column, v)), None) if values is not None else None
-        if bad is not None:
+        if values is not None and not ints_fit(column, values):
+            bad = next(v for v in values if not fits(column, v))
             raise FieldError(column.name,
                              f"{bad!r:.40} does not fit request_blocks.{column.name} ({column.type})")
     if not (fits(REQUEST_BLOCKS.column("block_size_tokens"), p.block_size_tokens)

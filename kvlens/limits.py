@@ -19,7 +19,8 @@ event, span or line.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from array import array
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvlens.schema import Column, Table
@@ -31,6 +32,7 @@ __all__ = [
     "INT64_MIN",
     "UINT64_MAX",
     "fits",
+    "ints_fit",
     "row_problem",
 ]
 
@@ -49,6 +51,8 @@ def _int_fits(value: Any, low: int, high: int) -> bool:
 def _str_fits(value: Any) -> bool:
     if type(value) is not str:
         return False
+    if value.isascii():
+        return True
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:
@@ -82,16 +86,43 @@ def fits(column: Column, value: Any) -> bool:
     raise KeyError(f"no limits known for column type {kind!r} ({column.name})")
 
 
+_ARRAY_CODES = {"INTEGER": "i", "BIGINT": "q", "UBIGINT": "Q"}  # C types of exactly these ranges
+
+
+def ints_fit(column: Column, values: Sequence[Any]) -> bool:
+    """Whether every value of ``values`` (ints or None) fits the integer ``column``: converted to a C
+    array in one call for the usual all-int list, one by one otherwise."""
+    try:
+        array(_ARRAY_CODES[column.type], values)  # refuses floats, None and values out of range
+        return True
+    except (OverflowError, TypeError):
+        return all(fits(column, v) for v in values)
+
+
+_BY_NAME: dict[str, dict[str, Column]] = {}
+
+
 def row_problem(table: Table, row: Mapping[str, Any]) -> str | None:
     """The first column of ``row`` whose value ``table`` cannot hold, in words; None when all fit.
 
     Keys that are not columns of ``table`` are a problem too (the writer would refuse them).
     """
+    columns = _BY_NAME.get(table.name)
+    if columns is None:
+        columns = _BY_NAME[table.name] = {c.name: c for c in table.columns}
     for name, value in row.items():
-        try:
-            column = table.column(name)
-        except KeyError:
+        column = columns.get(name)
+        if column is None:
             return f"{table.name} has no column {name!r}"
+        if value is None:
+            continue
+        kind = column.type
+        if kind in _INT_RANGES:  # the common case, inline
+            low, high = _INT_RANGES[kind]
+            if type(value) is int and low <= value <= high:
+                continue
+        elif kind == "VARCHAR" and type(value) is str and value.isascii():
+            continue
         if not fits(column, value):
             return f"{name} = {value!r:.60} does not fit {table.name}.{name} ({column.type})"
     return None
