@@ -415,14 +415,14 @@ class LiveCollector:
             return
         key, replica, model = self._identify(src, topic)
         pub = self.pubs.get(key)
-        if pub is None:
-            pub = self.pubs[key] = _Pub(key, replica, src, model)
         try:
             batch = self.decoder.read_batch(payload)
         except DecodeError as e:  # its sequence number is not trusted: nothing moves
-            if pub.remember_bad(seq):  # a replay may have brought (and counted) this very frame first
+            if pub is None or pub.remember_bad(seq):  # a replay may have brought (and counted) it first
                 self._bad(e, payload)
             return
+        if pub is None:  # only a frame that decodes makes a publisher (garbage topics cost nothing)
+            pub = self.pubs[key] = _Pub(key, replica, src, model)
         if seq <= pub.last_seq and not self._restarted(pub, seq, batch[0], payload, recv_ns):
             return
         if seq > pub.last_seq + 1:
