@@ -23,6 +23,7 @@ from analyzers.join import join_sources
 from analyzers.ledger import miss_ledger
 from analyzers.mrc import mrc
 from analyzers.outcomes import block_outcomes
+from analyzers.provenance import scenario_provenance
 from analyzers.ranking import prefix_ranking
 from analyzers.reconcile import reconcile
 from analyzers.request_ledger import request_ledger
@@ -43,7 +44,8 @@ SHARDS_RATE = 0.01
 
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,
                      *, cache_tokens: int | None = None, join: Sequence[str] = (),
-                     metrics_from: str | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
+                     metrics_from: str | None = None,
+                     model_source: str = "given") -> Iterator[tuple[str, pl.DataFrame]]:
     """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs.
 
     ``cache_tokens``: the KV cache the scenario's requests are served from, in tokens (all
@@ -51,7 +53,9 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     scenarios whose requests fill this one's missing columns by request id (span timings,
     reported cached tokens); the ledger then reads the joined requests. ``metrics_from``: the
     scenario holding the engines' scraped metrics (default: this one); when it has samples,
-    ``reconciliation`` sets the engines' own hit counters beside the ledger.
+    ``reconciliation`` sets the engines' own hit counters beside the ledger. ``model_source``:
+    where ``model`` came from, recorded in ``scenarios`` (``given``, ``requests`` or ``default``:
+    assumed because nothing named one), so every byte figure can say what it assumed.
     """
     per_token = model.kv_bytes_per_token()
     requests = con.table("requests")
@@ -65,10 +69,13 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
         scenario=scenario, bytes_per_token=per_token)
     per_request = request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario)
+    origin = scenario_provenance(requests=requests, scenario=scenario)
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
         "requests": [per_request.height], "needed_blocks": [outcomes.height],
-        "analyzed_ns": [time.time_ns()]})
+        "analyzed_ns": [time.time_ns()], "model_source": [model_source], "provenance": [origin.provenance],
+        "sources": [origin.sources], "ttft_label": [origin.ttft_label], "assumptions": [origin.assumptions]},
+        schema_overrides={"ttft_label": pl.String, "assumptions": pl.String})
     yield "block_outcomes", outcomes
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
     yield "request_ledger", per_request

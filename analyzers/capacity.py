@@ -98,7 +98,9 @@ def _residence(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int,
     stop = np.where(nxt >= 0, np.minimum(ts + ttl_ns, ts[np.maximum(nxt, 0)]), ts + ttl_ns)
     stop = np.minimum(stop, max(end_ns, int(ts.max()) + 1))
     span = max(1, int(stop.max()) - int(ts.min()))
-    mean = float(np.sum(sizes * (stop - ts))) / span
+    # Byte-nanoseconds overflow int64 with real KV sizes (a 512-token Llama-3.1-70B block held
+    # 60 s is 1.0e19): the products are summed in float64 (53-bit mantissa, relative error 1e-16).
+    mean = float(np.sum(sizes.astype(np.float64) * (stop - ts).astype(np.float64))) / span
     # Peak: sweep +size at each access, -size at each stop; stops sort before starts at a tie
     # only when the next access renews the same block (its stop equals that access's time).
     times = np.concatenate([stop, ts])

@@ -121,7 +121,7 @@ def hygiene(*, request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per
            .filter(pl.col("own") & (pl.col("first_req") < pl.col("req"))))
     names = blocks.select("req", "request_id", "arrival_ns").unique("req")
     lost = (own.group_by("req", "split_position").agg(
-                lost_blocks=pl.len().cast(pl.Int64), lost_tokens=pl.col("block_tokens").sum().cast(pl.Int64),
+                lost_blocks=pl.len().cast(pl.Int64), lost_tokens=pl.col("block_tokens").cast(pl.Int64).sum(),
                 repeated_token_hash=pl.col("token_hash").sort_by("position").first(),
                 first_req=pl.col("first_req").sort_by("position").first())
             .join(names, on="req")

@@ -69,7 +69,8 @@ def _cross_tenant(tenants: pl.DataFrame, blocks: pl.DataFrame, outcomes: pl.Data
             .join(tenants, on="request_id").join(first, on="block_hash")
             .filter(pl.col("owner") != pl.col("tenant")))
     out: list[dict[str, object]] = []
-    for r in (hits.group_by("owner", "tenant").agg(blocks=pl.len(), tokens=pl.col("tokens").sum(),
+    for r in (hits.group_by("owner", "tenant").agg(blocks=pl.len(),
+                                                    tokens=pl.col("tokens").cast(pl.Int64).sum(),
                                                     requests=pl.col("request_id").n_unique())
               .sort("owner", "tenant").iter_rows(named=True)):
         out.append({
@@ -82,11 +83,11 @@ def _cross_tenant(tenants: pl.DataFrame, blocks: pl.DataFrame, outcomes: pl.Data
     crossed = set(hits["block_hash"].to_list())
     shared = (blocks.filter(~pl.col("block_hash").is_in(list(crossed)))
               .group_by("block_hash").agg(tenants=pl.col("tenant").unique().sort(),
-                                          tokens=pl.col("block_tokens").first(),
+                                          tokens=pl.col("block_tokens").first().cast(pl.Int64),
                                           requests=pl.col("request_id").n_unique())
               .filter(pl.col("tenants").list.len() > 1)
               .with_columns(subject=pl.col("tenants").list.join(", ")))
-    for r in (shared.group_by("subject").agg(blocks=pl.len(), tokens=pl.col("tokens").sum(),
+    for r in (shared.group_by("subject").agg(blocks=pl.len(), tokens=pl.col("tokens").cast(pl.Int64).sum(),
                                              requests=pl.col("requests").sum())
               .sort("subject").iter_rows(named=True)):
         out.append({
@@ -131,7 +132,8 @@ def _incompatible(outcomes: pl.DataFrame, spaces: pl.DataFrame,
               .join(spaces, on=["request_id", "position"], how="left")
               .with_columns(pl.col("namespace").fill_null("(none)")))
     out: list[dict[str, object]] = []
-    for r in (missed.group_by("namespace", "key_diff").agg(blocks=pl.len(), tokens=pl.col("tokens").sum(),
+    for r in (missed.group_by("namespace", "key_diff").agg(blocks=pl.len(),
+                                                            tokens=pl.col("tokens").cast(pl.Int64).sum(),
                                                             requests=pl.col("request_id").n_unique())
               .sort("namespace", "key_diff").iter_rows(named=True)):
         out.append({

@@ -1,5 +1,8 @@
 """Analyzer: request_blocks -> LRU miss-ratio curves, exact and SHARDS-sampled (table `mrc`).
 
+The cache is paged KV memory: the stream is the scenario's full blocks (``request_stream``) and
+a capacity is a number of block slots; the table's curve is read by blocks.
+
 A curve comes from a **reuse histogram**: one record per re-access with its stack distance (in
 blocks and bytes, convention of analyzers.reuse: the block itself counts, so an LRU of capacity
 ``C`` hits exactly the records with distance ``<= C``) and the weight it stands for (1 for an
@@ -306,12 +309,12 @@ def _grid_blocks(max_blocks: int) -> np.ndarray:
 
 
 def _rows(hist: ReuseHistogram, method: str, block_bytes: int) -> pl.DataFrame:
-    top = float(hist.distance_bytes.max()) if len(hist.distance_bytes) else 0.0
-    cap_blocks = _grid_blocks(max(1, int(np.ceil(top / block_bytes))))
-    cap_bytes = cap_blocks * block_bytes
-    hr, hrb = curve(hist, cap_bytes, by="bytes")
-    return pl.DataFrame({"method": method, "capacity_blocks": cap_blocks, "capacity_bytes": cap_bytes,
-                         "hit_ratio_blocks": hr, "hit_ratio_bytes": hrb})
+    top = float(hist.distance_blocks.max()) if len(hist.distance_blocks) else 0.0
+    cap_blocks = _grid_blocks(max(1, int(np.ceil(top))))
+    hr, hrb = curve(hist, cap_blocks, by="blocks")
+    return pl.DataFrame({"method": method, "capacity_blocks": cap_blocks,
+                         "capacity_bytes": cap_blocks * block_bytes, "hit_ratio_blocks": hr,
+                         "hit_ratio_bytes": hrb})
 
 
 def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
@@ -319,12 +322,16 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     """Rows of table `mrc` for the `requests` stream, sorted by method, capacity_bytes.
 
     Columns: scenario, stream, method (exact | shards), capacity_blocks, capacity_bytes,
-    hit_ratio_blocks, hit_ratio_bytes. Each row is one LRU cache of ``capacity_bytes`` bytes in
-    which a block costs its KV bytes (block_tokens × bytes_per_token; a partial tail costs less);
-    ``capacity_blocks`` is the same capacity in full blocks (block_size_tokens × bytes_per_token
-    each). hit_ratio_blocks counts hit accesses over accesses; hit_ratio_bytes hit bytes over
-    bytes (equal to the token ratio, since bytes are tokens × bytes_per_token).
-    Capacities: every whole number of full blocks up to the one where every re-access hits, when
+    hit_ratio_blocks, hit_ratio_bytes. The stream is the prefix-cache stream of
+    ``analyzers.reuse.request_stream``: the scenario's **full** blocks in arrival order, then
+    position (a partial tail is never cached by an engine, so it is never in a curve). Each row
+    is an LRU cache of ``capacity_blocks`` slots, a slot holding one block as paged KV memory
+    does; ``capacity_bytes = capacity_blocks × full-block bytes`` (block_size_tokens ×
+    bytes_per_token). hit_ratio_blocks counts hit accesses over accesses, hit_ratio_bytes hit
+    bytes over accessed bytes (the same ratio when every full block has one size): both over
+    the full blocks, not over prompt tokens (``prompt − tail_partial`` tokens of request_ledger
+    converts). The exact rows equal such an LRU at every capacity they report.
+    Capacities: every whole number of blocks up to the one where every re-access hits, when
     that is at most 2,000 blocks; otherwise a 200-point log grid plus that saturation point.
     Each value is exact at its capacity (the curve is a step function between them).
     ``sample_rate`` adds SHARDS_adj fixed-rate rows (method shards) on the same kind of grid.

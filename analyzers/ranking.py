@@ -64,7 +64,7 @@ def _segments(outcomes: pl.DataFrame) -> pl.DataFrame:
 
 
 def _groups(shared: pl.DataFrame) -> pl.DataFrame:
-    tokens_of = {c: pl.col("tokens").filter(pl.col("outcome") == c).sum().alias(f"{c}_tokens")
+    tokens_of = {c: pl.col("tokens").cast(pl.Int64).filter(pl.col("outcome") == c).sum().alias(f"{c}_tokens")
                  for c in _MISS_CAUSES}
     return shared.group_by("tip").agg(
         pl.col("n").first().alias("requests"),

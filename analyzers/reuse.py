@@ -311,14 +311,22 @@ def _scenario_rows(rel: duckdb.DuckDBPyRelation, scenario: str) -> duckdb.DuckDB
     return rel.filter(duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
 
 
+# A full block: as many tokens as the cache's block size (a row without a block size counts as full).
+_FULL_BLOCK = "block_tokens IS NOT NULL AND block_tokens = coalesce(block_size_tokens, block_tokens)"
+
+
 def request_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str,
                    requests: duckdb.DuckDBPyRelation | None = None) -> pl.DataFrame:
     """The `requests` stream: block_hash, block_tokens, ts_ns, position, replica, in access order.
 
+    The prefix-cache stream: the **full** blocks of the scenario's request_blocks only. A partial
+    tail is never cached by an engine (vLLM's ``KVCacheManager`` hashes and caches full blocks
+    only: ``vllm/v1/core/kv_cache_utils.py`` ``get_request_block_hasher`` stops at the last full
+    block, "We only hash full blocks"), so it never enters a cache, a reuse distance or a curve.
     Order: arrival_ns, then request_id (ties in arrival keep a stable order), then position.
     """
-    rb = _scenario_rows(request_blocks, scenario).project(
-        "request_id, arrival_ns, position, block_hash, coalesce(block_tokens, 0) AS block_tokens"
+    rb = _scenario_rows(request_blocks, scenario).filter(_FULL_BLOCK).project(
+        "request_id, arrival_ns, position, block_hash, block_tokens"
     ).order(_REQUEST_ORDER)
     frame = rb.pl()
     if requests is not None and frame.height:
@@ -340,7 +348,7 @@ def _rows(stream: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray,
         "distance_blocks": d.blocks[hit],
         "distance_bytes": d.bytes[hit],
         "interval_ns": ts[hit] - ts[d.prev[hit]],
-    }, schema_overrides={"block_hash": pl.UInt64})
+    }, schema_overrides={"block_hash": pl.UInt64, "stream": pl.String})  # typed even with no re-access
 
 
 def _frame_rows(stream: str, f: pl.DataFrame, bytes_per_token: int) -> pl.DataFrame:
@@ -387,8 +395,9 @@ def reuse(*, request_blocks: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPy
     Columns: scenario, stream, block_hash, ts_ns, distance_blocks, distance_bytes (block bytes =
     block_tokens × bytes_per_token), interval_ns. Streams:
 
-    - ``requests``: every request_blocks row of the scenario in arrival order, then position.
-      A shared pool (``fleet``) sees exactly this stream, so it is not written twice.
+    - ``requests``: every full block of the scenario's request_blocks in arrival order, then
+      position (partial tails are never cached: see ``request_stream``). A shared pool
+      (``fleet``) sees exactly this stream, so it is not written twice.
     - ``replica:<name>``: the requests served by one replica (needs ``requests`` for the replica).
     - ``group:<root hash>``: each re-access of a prefix group (the chain root, position 0): its
       distance in the ``requests`` stream, i.e. the bytes an LRU would have to hold to keep it.

@@ -92,7 +92,7 @@ def _saved(outcomes: pl.DataFrame, request_ids: pl.Series, hot: pl.Series) -> in
     blocks = blocks.with_columns(before=bad.cum_sum().over("request_id") - bad)
     saved = blocks.filter(outcome.str.starts_with("miss_") & pl.col("block_hash").is_in(hot.implode())
                           & (pl.col("before") == 0))
-    return int(saved["tokens"].sum())
+    return int(saved["tokens"].cast(pl.Int64).sum())
 
 
 def _fleet(ledger: pl.DataFrame) -> tuple[float, float]:

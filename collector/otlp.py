@@ -3,11 +3,9 @@
 vLLM (``--otlp-traces-endpoint``) emits one ``llm_request`` span per finished request
 (FORMATS.md section 4). Each such span becomes one ``requests`` row, ``source = "otlp"``:
 
-- ``request_id``: ``gen_ai.request.id`` minus a trailing ``-0``. vLLM's OpenAI server names
-  the engine request ``<response id>-<index>``; for the usual one-prompt request that is the
-  API response id followed by ``-0``, so dropping ``-0`` lets the span join the API usage
-  and gateway rows. Other suffixes (``-1``, ``-2``: further prompts of one batched
-  completions call) are separate engine requests and are kept as given.
+- ``request_id``: ``gen_ai.request.id`` as sent, never rewritten. vLLM names a completions
+  call's engine requests ``<response id>-<prompt index>``; analyzers/join.py matches that form
+  to the API's and the gateway's ids at join time.
 - ``arrival_ns`` = span start (vLLM starts the span at the request's arrival), ``end_ns`` =
   span end; ``first_token_ns`` = arrival + ``gen_ai.latency.time_to_first_token``.
 - ``ttft_ms``, ``queue_ms``, ``prefill_ms`` from ``gen_ai.latency.time_to_first_token``,
@@ -62,7 +60,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 LLM_REQUEST_SPAN = "llm_request"
-_CHOICE_SUFFIX = "-0"
 _ID = "gen_ai.request.id"
 _TTFT = "gen_ai.latency.time_to_first_token"
 _QUEUE = "gen_ai.latency.time_in_queue"
@@ -145,8 +142,6 @@ def _request_row(attrs: Mapping[str, Any], start_ns: int, end_ns: int, replica: 
     rid = attrs.get(_ID)
     if not isinstance(rid, str) or not rid:
         raise _BadSpan(f"no {_ID}")
-    if rid.endswith(_CHOICE_SUFFIX):
-        rid = rid[: -len(_CHOICE_SUFFIX)]
     arrival, end = _time_ns(start_ns, "start"), _time_ns(end_ns, "end")
     ttft_ms = _seconds_ms(attrs, _TTFT)
     first = None

@@ -142,7 +142,10 @@ def capacity_marks(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFram
     rows = fetch(cur, CAPACITY_SQL, {"scenario": scenario})
     if rows.height == 0:
         return rows.with_columns(pl.lit("").alias("label"))
-    eff = rows.with_columns(pl.lit("C_eff").alias("label"))
+    terms = ("c_active_decode_bytes", "c_reserved_bytes", "c_fragmentation_bytes")
+    nothing = pl.sum_horizontal(*terms) == 0
+    eff = rows.with_columns(pl.when(nothing).then(pl.lit("C_eff = C_physical")).otherwise(pl.lit("C_eff"))
+                            .alias("label"))
     twice = rows.with_columns(
         (pl.col("c_eff_bytes") * 2).alias("c_eff_bytes"), pl.lit("2 x C_eff").alias("label")
     )

@@ -17,6 +17,7 @@ import duckdb
 import streamlit as st
 
 from dashboards.findings import fmt_bytes as _fmt_bytes
+from dashboards.provenance import Origin, bytes_sentence, origins
 from dashboards.queries import Window, scenario_span_ns, scenarios, table_rows
 from kvlens.query import connect
 
@@ -27,7 +28,10 @@ __all__ = [
     "fmt_bytes",
     "fmt_ratio",
     "has_rows",
+    "label",
     "no_rows",
+    "origin",
+    "provenance_note",
     "show_chart",
     "sidebar",
 ]
@@ -115,6 +119,27 @@ def sidebar(cur: duckdb.DuckDBPyConnection, db: str) -> Context:
     scenario = st.sidebar.selectbox("Scenario", names, key="scenario")
     window = _window_slider(cur, scenario)
     return Context(cur, window, names, db)
+
+
+def origin(ctx: Context, scenario: str | None = None) -> Origin:
+    """What the selected (or the named) scenario's figures rest on (table ``scenarios``)."""
+    name = scenario or ctx.scenario
+    return origins(ctx.cur, [name])[name]
+
+
+def label(text: str, found: Origin) -> str:
+    """A metric's label with ``(modelled)`` / ``(measured)`` beside it, when that is recorded."""
+    return f"{text} ({found.label})" if found.label else text
+
+
+def provenance_note(ctx: Context) -> None:
+    """Under a page's header: that its figures are modelled and on what, and a geometry that was assumed."""
+    found = origin(ctx)
+    if found.label == "modelled":
+        st.caption(f"Modelled, not measured: `{ctx.scenario}` is a simulated what-if ({found.assumptions}).")
+    if found.assumed_bytes:
+        st.warning(bytes_sentence({found.scenario: found}) or "KV bytes assume the default geometry",
+                   icon=":material/warning:")
 
 
 def has_rows(ctx: Context, table: str, *, per_scenario: bool = True) -> bool:

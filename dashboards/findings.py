@@ -12,6 +12,7 @@ from typing import Any
 
 import duckdb
 
+from dashboards.provenance import Origin, origins, tagged
 from dashboards.report_data import Window, has_rows, rows
 from kvlens.schema import HIT_OUTCOMES_SQL
 
@@ -93,7 +94,7 @@ Context = dict[str, Any]
 def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     out = []
     for scenario, outcome, fleet_share, replica, replica_share in rows(con, WORST_REPLICA_SQL, p):
-        text = (f"In {scenario}, {fmt_pct(fleet_share)} of prompt tokens missed because "
+        text = (f"In {_who(scenario, p)}, {fmt_pct(fleet_share)} of prompt tokens missed because "
                 f"{CAUSES[outcome]} ({outcome}); the worst replica is {replica}, where it cost "
                 f"{fmt_pct(replica_share)} of its prompt tokens.")
         served = [(s, (hit or 0) / total) for s, total, hit in rows(
@@ -101,7 +102,8 @@ def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
             if total]
         if served:
             text += " Of those tokens, " + ", ".join(
-                f"{s} served {fmt_pct(r)}" for s, r in served) + " (the same requests replayed there)."
+                f"{_who(s, p)} served {fmt_pct(r)}" for s, r in served
+            ) + " (the same requests replayed there)."
         out.append(text)
     return out
 
@@ -117,8 +119,8 @@ def _compare_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     if len(ranked) < 2:
         return []
     (best, hi), (worst, lo) = ranked[0], ranked[-1]
-    return [f"{best} has the highest token hit ratio ({fmt_pct(hi)}), {(hi - lo) * 100:.1f} points "
-            f"above {worst} ({fmt_pct(lo)})."]
+    return [f"{best} has the highest token hit ratio ({_labelled(fmt_pct(hi), best, p)}), "
+            f"{(hi - lo) * 100:.1f} points above {worst} ({_labelled(fmt_pct(lo), worst, p)})."]
 
 
 COLD_SQL = f"""
@@ -138,26 +140,48 @@ def _cold_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     if len(shares) > 1 and max(r for _, r in shares) - min(r for _, r in shares) < 0.0005:
         where = "every scenario"
     else:
-        return [f"In {s}, {fmt_pct(r)} of prompt tokens were needed for the first time (miss_cold): "
+        return [f"In {_who(s, p)}, {fmt_pct(r)} of prompt tokens were needed for the first time (miss_cold): "
                 "no cache could have served them." for s, r in shares]
-    return [f"In {where}, {fmt_pct(shares[0][1])} of prompt tokens were needed for the first time "
+    label = _all_label([s for s, _ in shares], p)
+    return [f"In {where}{label}, {fmt_pct(shares[0][1])} of prompt tokens were needed for the first time "
             "(miss_cold): no cache could have served them."]
 
 
 CAPACITY_SQL = """
-SELECT list(scenario ORDER BY scenario), c_eff_bytes, hit_ratio_bytes_at_eff, hit_ratio_bytes_at_2x_eff
-FROM capacity WHERE list_contains($names, scenario) AND hit_ratio_bytes_at_eff IS NOT NULL
+WITH p AS (
+    SELECT scenario, sum(prompt_tokens) AS prompt, sum(tail_partial_tokens) AS tail FROM request_ledger
+    WHERE list_contains($names, scenario) GROUP BY ALL
+)
+SELECT list(c.scenario ORDER BY c.scenario), c.c_eff_bytes, c.hit_ratio_bytes_at_eff,
+       c.hit_ratio_bytes_at_2x_eff,
+       c.c_active_decode_bytes + c.c_reserved_bytes + c.c_fragmentation_bytes AS subtracted, c.active_source,
+       round((p.prompt - p.tail) / p.prompt, 6) AS full_share
+FROM capacity c JOIN p USING (scenario)
+WHERE list_contains($names, c.scenario) AND c.hit_ratio_bytes_at_eff IS NOT NULL AND p.prompt > 0
 GROUP BY ALL ORDER BY 1
 """
 
 
+def _cache_words(c_eff: int, subtracted: int, active_source: str | None) -> str:
+    """C_eff named for what it is: with nothing subtracted it is just the configured cache."""
+    if not subtracted:
+        return (f"the configured cache of {fmt_bytes(c_eff)} (kvlens analyze --cache-tokens; nothing "
+                "measured to subtract, so C_eff = C_physical)")
+    source = {"kv_cache_usage_perc": "decode measured from kv_cache_usage_perc",
+              "running_requests": "decode estimated from running requests"}.get(str(active_source), "")
+    return (f"the effective cache of {fmt_bytes(c_eff)} ({fmt_bytes(subtracted)} subtracted"
+            f"{': ' + source if source else ''})")
+
+
 def _capacity_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     out = []
-    for names, c_eff, at, at2 in rows(con, CAPACITY_SQL, p):
+    for names, c_eff, at, at2, subtracted, active_source, full_share in rows(con, CAPACITY_SQL, p):
         who = "every scenario" if len(names) == len(p["names"]) > 1 else ", ".join(names)
-        out.append(f"Capacity ({who}, whole scenario): the effective cache of {fmt_bytes(c_eff)} as one "
-                   f"shared LRU serves {fmt_pct(at)} of prompt bytes; doubling it would serve "
-                   f"{fmt_pct(at2)} ({(at2 - at) * 100:+.1f} points).")
+        share = f" ({fmt_pct(at * full_share)} of prompt bytes)" if full_share is not None else ""
+        out.append(f"Capacity ({who}, whole scenario): {_cache_words(c_eff, subtracted, active_source)}, "
+                   f"modelled as one shared LRU of full blocks, would serve {fmt_pct(at)} of the full "
+                   f"blocks' bytes{share}; doubling it would serve {fmt_pct(at2)} "
+                   f"({(at2 - at) * 100:+.1f} points, modelled){_bytes_note(names, p)}.")
     return out
 
 
@@ -172,10 +196,11 @@ ORDER BY ttft_p99_ms DESC, scenario, prefix_class LIMIT 1
 def _latency_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     out = []
     for scenario, cls, n, p50, p99, ratio in rows(con, LATENCY_SQL, p):
+        o = _origin(scenario, p)
         flag = " (a tail ratio above 5)" if ratio is not None and ratio > 5 else ""
-        ratio_text = f", {ratio:.1f}x their P50 of {fmt_ms(p50)}{flag}" if ratio is not None else ""
-        out.append(f"In {scenario}, the slowest prefix class is {cls} ({n:,} requests, whole scenario): "
-                   f"TTFT P99 {fmt_ms(p99)}{ratio_text}.")
+        ratio_text = f", {ratio:.1f}x their P50 of {o.ttft(fmt_ms(p50))}{flag}" if ratio is not None else ""
+        out.append(f"In {_who(scenario, p)}, the slowest prefix class is {cls} ({n:,} requests, whole "
+                   f"scenario): TTFT P99 {o.ttft(fmt_ms(p99))}{ratio_text}.")
     return out
 
 
@@ -193,7 +218,7 @@ def _labels(recompute: str | None, load: str | None) -> str:
 
 
 def _prefix_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {s}, the prefix worth most is {h:016x} ({tok:,} tokens, {reuses:,} re-accesses on "
+    return [f"In {_who(s, p)}, the prefix worth most is {h:016x} ({tok:,} tokens, {reuses:,} re-accesses on "
             f"{reps:,} replicas): {rec}, an expected {(ms or 0) / 1e3:,.1f} s of prefill saved"
             f"{_labels(rl, ll)}; {str(reason).rstrip('.')}."
             for s, h, tok, reuses, reps, ms, rec, reason, rl, ll in rows(con, PREFIX_SQL, p)]
@@ -207,8 +232,8 @@ GROUP BY ALL ORDER BY 3 DESC, 1 LIMIT 1
 
 
 def _hygiene_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {s}, {n:,} requests split their prefix chain early: moving the dynamic part to the end "
-            f"would make {tok or 0:,} more tokens ({fmt_bytes(b)}) reusable."
+    return [f"In {_who(s, p)}, {n:,} requests split their prefix chain early: moving the dynamic part to "
+            f"the end would make {tok or 0:,} more tokens ({fmt_bytes(b)}{_bytes_note([s], p)}) reusable."
             for s, n, tok, b in rows(con, HYGIENE_SQL, p)]
 
 
@@ -221,8 +246,8 @@ ORDER BY min(CASE severity WHEN 'high' THEN 0 WHEN 'medium' THEN 1 ELSE 2 END), 
 
 
 def _isolation_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {s}, {n:,} {finding} finding(s){f' (severity {sev})' if sev else ''} over {blocks or 0:,} "
-            f"blocks, e.g. {detail}" + ("" if str(detail).endswith(".") else ".")
+    return [f"In {_who(s, p)}, {n:,} {finding} finding(s){f' (severity {sev})' if sev else ''} over "
+            f"{blocks or 0:,} blocks, e.g. {detail}" + ("" if str(detail).endswith(".") else ".")
             for s, finding, sev, n, blocks, detail in rows(con, ISOLATION_SQL, p)]
 
 
@@ -235,8 +260,9 @@ ORDER BY sum(never_read_bytes) / sum(write_bytes) DESC NULLS LAST, 1, 2 LIMIT 1
 
 
 def _flow_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {s}, {fmt_bytes(never)} of the {fmt_bytes(written)} written to the {tier} tier were "
-            f"removed without ever being read ({fmt_pct(never / written if written else None)})."
+    return [f"In {_who(s, p)}, {fmt_bytes(never)} of the {fmt_bytes(written)} written to the {tier} tier "
+            f"were removed without ever being read ({fmt_pct(never / written if written else None)})"
+            f"{_bytes_note([s], p)}."
             for s, tier, written, never in rows(con, FLOWS_SQL, p)]
 
 
@@ -250,8 +276,9 @@ ORDER BY steady_after_ns DESC, scenario, replica LIMIT 1
 def _warmup_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     out = []
     for s, r, ns, b, saved in rows(con, WARMUP_SQL, p):
-        text = (f"In {s}, {r} took the longest to warm up: {ns / 60e9:.1f} min to the fleet's steady hit "
-                f"ratio; pre-warming its hot prefixes would move {fmt_bytes(b)}")
+        text = (f"In {_who(s, p)}, {r} took the longest to warm up: {ns / 60e9:.1f} min to the fleet's "
+                f"steady hit ratio; pre-warming its hot prefixes would move "
+                f"{fmt_bytes(b)}{_bytes_note([s], p)}")
         out.append(text + (f" and save {saved:,} recomputed tokens." if saved else "."))
     return out
 
@@ -286,10 +313,36 @@ GROUP BY ALL HAVING sum(shared_blocks) > 0 ORDER BY sum(duplicate_bytes) DESC, 1
 
 
 def _fanout_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {s}, {shared:,} of {needed:,} distinct blocks needed per window "
+    return [f"In {_who(s, p)}, {shared:,} of {needed:,} distinct blocks needed per window "
             f"({fmt_pct(shared / needed if needed else None)}) were needed by two replicas or more "
-            f"(up to {most:,}): {fmt_bytes(dup)} of KV held or computed more than once."
+            f"(up to {most:,}): {fmt_bytes(dup)} of KV held or computed more than once{_bytes_note([s], p)}."
             for s, needed, shared, most, dup in rows(con, FANOUT_SQL, p)]
+
+
+def _origin(scenario: str, p: Context) -> Origin:
+    found: dict[str, Origin] = p["origins"]
+    return found.get(scenario, Origin(scenario))
+
+
+def _who(scenario: str, p: Context) -> str:
+    """The scenario with its figures' label: ``rr8 (modelled)``."""
+    return tagged(scenario, p["origins"])
+
+
+def _labelled(text: str, scenario: str, p: Context) -> str:
+    label = _origin(scenario, p).label
+    return f"{text}, {label}" if label else text
+
+
+def _all_label(names: list[str], p: Context) -> str:
+    labels = {_origin(n, p).label for n in names}
+    return f" ({labels.pop()})" if len(labels) == 1 and None not in labels else ""
+
+
+def _bytes_note(names: list[str], p: Context) -> str:
+    """Beside a byte figure resting on the default geometry: say that it was assumed."""
+    assumed = sorted({str(_origin(n, p).model) for n in names if _origin(n, p).assumed_bytes})
+    return f"; bytes assume {', '.join(assumed)}'s KV geometry: no model was given" if assumed else ""
 
 
 # (table whose rows the finder needs, finder), in the order the report lists them.
@@ -312,7 +365,7 @@ FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], list[st
 def findings(con: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> list[str]:
     """The findings for the window's requests, one sentence (or two) each, most important first."""
     p: Context = {"names": names, "start": window.start_ns, "end": window.end_ns,
-                  "actionable": list(_ACTIONABLE)}
+                  "actionable": list(_ACTIONABLE), "origins": origins(con, names)}
     out: list[str] = []
     for table, finder in FINDERS:
         if has_rows(con, table):

@@ -23,6 +23,7 @@ import polars as pl
 
 from dashboards import charts, queries
 from dashboards.findings import findings, fmt_ms, fmt_pct
+from dashboards.provenance import Origin, bytes_sentence, origins, tagged
 from dashboards.report_data import (
     Headline,
     Window,
@@ -93,21 +94,40 @@ def _groups(con: duckdb.DuckDBPyConnection, names: list[str], since_ns: int, now
     return [(Window(end - since_ns, end), sorted(group)) for end, group in latest_first]
 
 
-def _headline_section(heads: dict[str, Headline], groups: Groups, quiet: list[str]) -> Section:
-    body = tuple((h.scenario, f"{h.requests:,}", f"{h.prompt_tokens:,}", fmt_pct(h.token_hit_ratio),
-                  fmt_pct(h.byte_hit_ratio), fmt_ms(h.ttft_p50_ms), fmt_ms(h.ttft_p99_ms))
-                 for h in heads.values())
+def _assumption_sentences(found: dict[str, Origin]) -> list[str]:
+    """Per distinct assumption: which scenarios' figures are modelled, and on what."""
+    by: dict[str, list[str]] = {}
+    for o in found.values():
+        if o.label == "modelled":
+            by.setdefault(o.assumptions or "a model kvlens did not record", []).append(o.scenario)
+    def what(n: list[str]) -> str:
+        return "a simulated what-if" if len(n) == 1 else "simulated what-ifs"
+
+    return [f"Modelled, not measured: {', '.join(sorted(n))} ({what(n)}; {text})."
+            for text, n in sorted(by.items())]
+
+
+def _headline_section(heads: dict[str, Headline], groups: Groups, quiet: list[str],
+                      found: dict[str, Origin]) -> Section:
+    body = tuple((h.scenario, found[h.scenario].label or "not recorded", f"{h.requests:,}",
+                  f"{h.prompt_tokens:,}", fmt_pct(h.token_hit_ratio), fmt_pct(h.byte_hit_ratio),
+                  found[h.scenario].ttft(fmt_ms(h.ttft_p50_ms)),
+                  found[h.scenario].ttft(fmt_ms(h.ttft_p99_ms))) for h in heads.values())
     said = [f"Requests arriving {w.label()}" + (f": {', '.join(n)}." if len(groups) > 1 else ".")
             for w, n in groups]
     if quiet:
         said.append(f"No requests in the window for {', '.join(quiet)}.")
+    said += _assumption_sentences({n: found[n] for n in heads})
+    note = bytes_sentence({n: found[n] for n in heads})
+    if note:
+        said.append(note)
     return Section("Headline", paragraphs=said, tables=[Table(
-        ("scenario", "requests", "prompt tokens", "token hit ratio", "byte hit ratio", "TTFT P50",
+        ("scenario", "figures", "requests", "prompt tokens", "token hit ratio", "byte hit ratio", "TTFT P50",
          "TTFT P99"), body)])
 
 
-def _ledger_section(con: duckdb.DuckDBPyConnection, groups: Groups,
-                    heads: dict[str, Headline]) -> Section | None:
+def _ledger_section(con: duckdb.DuckDBPyConnection, groups: Groups, heads: dict[str, Headline],
+                    origin: dict[str, Origin]) -> Section | None:
     found = sorted((r for w, n in groups for r in ledger(con, n, w)), key=lambda r: (r.scenario, r.outcome))
     if not found:
         return None
@@ -122,7 +142,8 @@ def _ledger_section(con: duckdb.DuckDBPyConnection, groups: Groups,
                   for h in heads.values())
     return Section("Ledger by outcome", paragraphs=[
         "Share of prompt tokens per outcome; the partial last block of a prompt is always recomputed."],
-        tables=[Table(("outcome", *heads), (*body, ("partial tail", *tails)))], charts=[chart])
+        tables=[Table(("outcome", *(tagged(s, origin) for s in heads)), (*body, ("partial tail", *tails)))],
+        charts=[chart])
 
 
 def _change(prev: float | None, cur: float | None, *, points: bool) -> str:
@@ -133,8 +154,8 @@ def _change(prev: float | None, cur: float | None, *, points: bool) -> str:
     return f"{(cur - prev) / prev:+.1%}" if prev else "n/a"
 
 
-def _day_over_day_section(con: duckdb.DuckDBPyConnection, groups: Groups,
-                          heads: dict[str, Headline]) -> Section:
+def _day_over_day_section(con: duckdb.DuckDBPyConnection, groups: Groups, heads: dict[str, Headline],
+                          found: dict[str, Origin]) -> Section:
     section = Section("Change against the previous window")
     for window, names in groups:
         prev = headlines(con, names, window.previous())
@@ -142,11 +163,12 @@ def _day_over_day_section(con: duckdb.DuckDBPyConnection, groups: Groups,
         section.paragraphs.append(f"{window.label()} against {window.previous().label()}{who}.")
         if not prev:
             section.paragraphs.append("No requests arrived in the previous window: nothing to compare.")
-        _compare(section, {n: heads[n] for n in names if n in heads}, prev)
+        _compare(section, {n: heads[n] for n in names if n in heads}, prev, found)
     return section
 
 
-def _compare(section: Section, cur: dict[str, Headline], prev: dict[str, Headline]) -> None:
+def _compare(section: Section, cur: dict[str, Headline], prev: dict[str, Headline],
+             found: dict[str, Origin]) -> None:
     for name, c in cur.items():
         p = prev.get(name)
         if p is None:
@@ -161,10 +183,12 @@ def _compare(section: Section, cur: dict[str, Headline], prev: dict[str, Headlin
              fmt_pct(c.token_hit_ratio), True),
             ("byte hit ratio", p.byte_hit_ratio, c.byte_hit_ratio, fmt_pct(p.byte_hit_ratio),
              fmt_pct(c.byte_hit_ratio), True),
-            ("TTFT P50", p.ttft_p50_ms, c.ttft_p50_ms, fmt_ms(p.ttft_p50_ms), fmt_ms(c.ttft_p50_ms), False),
-            ("TTFT P99", p.ttft_p99_ms, c.ttft_p99_ms, fmt_ms(p.ttft_p99_ms), fmt_ms(c.ttft_p99_ms), False),
+            (found[name].ttft("TTFT P50"), p.ttft_p50_ms, c.ttft_p50_ms, fmt_ms(p.ttft_p50_ms),
+             fmt_ms(c.ttft_p50_ms), False),
+            (found[name].ttft("TTFT P99"), p.ttft_p99_ms, c.ttft_p99_ms, fmt_ms(p.ttft_p99_ms),
+             fmt_ms(c.ttft_p99_ms), False),
         ]
-        section.tables.append(Table((name, "previous", "current", "change"), tuple(
+        section.tables.append(Table((tagged(name, found), "previous", "current", "change"), tuple(
             (label, ps, cs, _change(pv, cv, points=pts)) for label, pv, cv, ps, cs, pts in metrics)))
 
 
@@ -201,21 +225,26 @@ ORDER BY scenario
 """
 
 
-def _latency_section(con: duckdb.DuckDBPyConnection, names: list[str]) -> Section | None:
+def _latency_section(con: duckdb.DuckDBPyConnection, names: list[str],
+                     origin: dict[str, Origin]) -> Section | None:
     found = rows(con, TAILS_SQL, {"names": names}) if has_rows(con, "latency_tails") else []
     if not found:
         return None
     frame = pl.DataFrame([{"scenario": s, "percentile": q, "ttft_ms": v} for s, _, p50, p95, p99, _ in found
                           for q, v in (("p50", p50), ("p95", p95), ("p99", p99))])
     chart = _png(charts.tails_side_by_side_chart(frame), "tails", "TTFT percentiles per scenario")
-    body = tuple((s, f"{n:,}", fmt_ms(p50), fmt_ms(p95), fmt_ms(p99), "n/a" if r is None else f"{r:.1f}x")
-                 for s, n, p50, p95, p99, r in found)
-    return Section("Latency tails (whole scenario)", tables=[Table(
+    body = tuple((s, f"{n:,}", *(origin[s].ttft(fmt_ms(v)) for v in (p50, p95, p99)),
+                  "n/a" if r is None else origin[s].ttft(f"{r:.1f}x")) for s, n, p50, p95, p99, r in found)
+    said = [f"TTFT of {', '.join(s for s, *_ in found if origin[s].ttft_label == label)} is {label}."
+            for label in ("measured", "modelled") if any(origin[s].ttft_label == label for s, *_ in found)]
+    return Section("Latency tails (whole scenario)", paragraphs=said, tables=[Table(
         ("scenario", "requests", "TTFT P50", "TTFT P95", "TTFT P99", "P99/P50"), body)], charts=[chart])
 
 
 PREFIXES_SQL = """
-SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, bytes, benefit_ms, recommendation
+SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, bytes, benefit_ms, recommendation,
+       CASE WHEN recompute_label = 'measured' AND remote_label = 'measured' THEN 'measured'
+            ELSE 'modelled' END
 FROM prefix_ranking WHERE list_contains($names, scenario) AND benefit_ms > 0
 QUALIFY row_number() OVER (PARTITION BY scenario ORDER BY rank NULLS LAST, benefit_ms DESC NULLS LAST,
                                                           prefix_hash) <= 5
@@ -223,12 +252,15 @@ ORDER BY scenario, rank NULLS LAST, benefit_ms DESC NULLS LAST, prefix_hash
 """
 
 
-def _prefix_section(con: duckdb.DuckDBPyConnection, names: list[str]) -> Section | None:
+def _prefix_section(con: duckdb.DuckDBPyConnection, names: list[str],
+                    origin: dict[str, Origin]) -> Section | None:
     found = rows(con, PREFIXES_SQL, {"names": names}) if has_rows(con, "prefix_ranking") else []
     if not found:
         return None
-    body = tuple((s, f"{h:016x}", f"{t:,}", f"{r:,}", f"{n:,}", f"{(ms or 0) / 1e3:,.1f} s", rec)
-                 for s, h, t, r, n, _, ms, rec in found)
+    # A what-if's benefit rests on its simulated misses: modelled whatever the cost model measured.
+    body = tuple((s, f"{h:016x}", f"{t:,}", f"{r:,}", f"{n:,}",
+                  f"{(ms or 0) / 1e3:,.1f} s ({'modelled' if origin[s].label == 'modelled' else label})", rec)
+                 for s, h, t, r, n, _, ms, rec, label in found)
     return Section("Prefixes worth publishing (top 5 per scenario, whole scenario)", tables=[Table(
         ("scenario", "prefix", "tokens", "re-accesses", "replicas", "benefit", "recommendation"), body)])
 
@@ -275,14 +307,15 @@ def _sections(con: duckdb.DuckDBPyConnection, groups: Groups) -> list[Section]:
     quiet = [n for _, names in groups for n in names if n not in heads]
     groups = [(w, [n for n in names if n in heads]) for w, names in groups]
     groups = [(w, names) for w, names in groups if names]
-    out = [_headline_section(heads, groups, quiet)]
+    found = origins(con, sorted(heads))
+    out = [_headline_section(heads, groups, quiet, found)]
     out.append(Section("Top findings", bullets=[f for w, n in groups for f in findings(con, n, w)]))
-    for optional in (_ledger_section(con, groups, heads), _trend_section(con, groups)):
+    for optional in (_ledger_section(con, groups, heads, found), _trend_section(con, groups)):
         if optional is not None:
             out.append(optional)
-    out.append(_day_over_day_section(con, groups, heads))
+    out.append(_day_over_day_section(con, groups, heads, found))
     everyone = sorted(heads)
-    out += [s for s in (_latency_section(con, everyone), _prefix_section(con, everyone),
+    out += [s for s in (_latency_section(con, everyone, found), _prefix_section(con, everyone, found),
                         _crossover_section(con, everyone)) if s is not None]
     return [s for s in out if s.paragraphs or s.bullets or s.tables or s.charts]
 

@@ -30,7 +30,7 @@ from gpu_probe.probe import (
 )
 from gpu_probe.records import ProbePath
 from gpu_probe.timing import cuda_available
-from kvlens.models import get_model
+from kvlens.models import resolve_model
 
 __all__ = ["BANDWIDTH_RATIO_MIN", "PREFILL_TOKENS", "PREFILL_TO_MATMUL_MIN", "acceptance", "main"]
 
@@ -87,6 +87,8 @@ def _save(report: ProbeReport, table: str, lines: list[str], out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.1-8b")
+    parser.add_argument("--model-config", default=None, metavar="config.json",
+                        help="a Hugging Face config.json: its geometry instead of --model's")
     parser.add_argument("--prefix-tokens", default=",".join(str(t) for t in GPU_PREFIX_TOKENS))
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--out", type=Path, default=None, help="write the table and rows here")
@@ -94,8 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     if not cuda_available():
         print("device_check: no CUDA device visible to torch; nothing measured")
         return 2
-    plan = plan_probe(get_model(args.model), parse_prefix_tokens(args.prefix_tokens), cuda=True,
-                      runs=args.runs)
+    geometry = resolve_model(args.model, args.model_config)
+    plan = plan_probe(geometry, parse_prefix_tokens(args.prefix_tokens), cuda=True, runs=args.runs)
     report = run_probe(plan)
     table = render_table(report)
     lines, ok = acceptance(report)

@@ -65,6 +65,35 @@ def _progress_bar(paths: tuple[str, ...], label: str) -> Any:
                              show_percent=True, width=30)
 
 
+_MODEL_CONFIG_HELP = ("A Hugging Face config.json: the model's KV geometry (layers, KV heads, head size, "
+                      "MLA latent, sliding windows) and name, for a model kvlens does not list "
+                      "(kvlens models).")
+
+
+def _model_config_option(f: Any) -> Any:
+    return click.option("--model-config", "model_config", default=None, metavar="config.json",
+                        type=click.Path(dir_okay=False), help=_MODEL_CONFIG_HELP)(f)
+
+
+def _given_model(model: str | None, model_config: str | None) -> Any:
+    """The geometry --model or --model-config names (None when neither); both at once is an error."""
+    from kvlens.errors import ConfigError
+    from kvlens.models import from_hf_config, get_model
+
+    if model and model_config:
+        raise ConfigError(f"--model {model} and --model-config {model_config} both name the model: give one")
+    if model_config:
+        return from_hf_config(model_config)
+    return get_model(model) if model else None
+
+
+def _model_name(model: str | None, model_config: str | None) -> str | None:
+    """The model name to record on rows: --model as given (any name), or the name in --model-config's file."""
+    if model_config:
+        return str(_given_model(model, model_config).name)
+    return model
+
+
 @cli.command("import")
 @click.argument("fmt", metavar="FORMAT", type=click.Choice(IMPORT_FORMATS))
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
@@ -72,14 +101,16 @@ def _progress_bar(paths: tuple[str, ...], label: str) -> Any:
 @click.option("--scenario", default="default", show_default=True,
               help="Scenario name; an existing scenario of that name is replaced whole.")
 @click.option("--model", default=None, help="Model name recorded on the rows (e.g. llama-3.1-70b).")
+@_model_config_option
 @click.option("--skip-bad-lines", is_flag=True, help="Count and skip lines that do not parse.")
 @click.option("--t0", default=None, help="Anchor for traces with relative times (ISO time, UTC).")
 def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
-               skip_bad_lines: bool, t0: str | None) -> None:
+               model_config: str | None, skip_bad_lines: bool, t0: str | None) -> None:
     """Import trace FILES of FORMAT into the lake (requests, request_blocks).
 
     Example: kvlens import mooncake conversation_trace.jsonl --lake lake --scenario conv
     """
+    model = _model_name(model, model_config)
     if fmt == "vllm-events":  # frames recorded by `kvlens collect vllm --record` -> kv_events
         from collector.vllm_events import import_capture
 
@@ -185,24 +216,28 @@ def demo_cmd(workdir: str) -> None:
     click.echo(f"dashboard:   {exe} dashboard --db {db}   (then open http://localhost:8501)")
 
 
-def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
-    """The model of a scenario: --model, else its requests' most common known model, else the default."""
+def _scenario_model(con: Any, scenario: str, model: str | None,
+                    model_config: str | None = None) -> tuple[Any, str]:
+    """(geometry, source) of a scenario: --model / --model-config (``given``), else its requests' most
+    common known model (``requests``), else the default, assumed (``default``)."""
     from kvlens.errors import ConfigError
     from kvlens.models import DEFAULT_MODEL, get_model
 
-    if override:
-        return get_model(override)
+    given = _given_model(model, model_config)
+    if given is not None:
+        return given, "given"
     names = con.execute("SELECT model FROM requests WHERE scenario = ? AND model IS NOT NULL "
                         "GROUP BY model ORDER BY count(*) DESC", [scenario]).fetchall()
     for (name,) in names:
         try:
-            return get_model(name)
+            return get_model(name), "requests"
         except ConfigError:
             continue
-    if names:
-        logging.getLogger(__name__).warning(
-            "scenario %s: model %s unknown, bytes use %s; pass --model", scenario, names[0][0], DEFAULT_MODEL)
-    return get_model(DEFAULT_MODEL)
+    said = f"model {names[0][0]} unknown" if names else "no model on its requests"
+    logging.getLogger(__name__).warning(
+        "scenario %s: %s, bytes assume %s; pass --model or --model-config config.json",
+        scenario, said, DEFAULT_MODEL)
+    return get_model(DEFAULT_MODEL), "default"
 
 
 @cli.command("analyze")
@@ -210,6 +245,7 @@ def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
 @click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB to (re)build.")
 @click.option("--scenario", "scenarios", multiple=True, help="Scenario to analyze (repeat); default: all.")
 @click.option("--model", default=None, help="Model geometry for bytes (default: the requests' model).")
+@_model_config_option
 @click.option("--cache-tokens", type=click.IntRange(min=1), default=None,
               help="KV cache the requests are served from, in tokens (all replicas together): "
                    "places the effective capacity on the miss-ratio curve (table capacity).")
@@ -220,7 +256,7 @@ def _scenario_model(con: Any, scenario: str, override: str | None) -> Any:
 @click.option("--metrics-from", default=None, metavar="SCENARIO",
               help="Scenario holding the engines' scraped metrics (e.g. live); default: each analyzed "
                    "scenario itself. Writes reconciliation: engine hit counters beside the ledger.")
-def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None,
+def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None, model_config: str | None,
                 cache_tokens: int | None, join: tuple[str, ...], metrics_from: str | None) -> None:
     """Replay the lake into the analysis DB: block outcomes, the miss ledger, and more.
 
@@ -229,6 +265,8 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
     from analyzers import analyze_scenario
     from kvlens.analysis_db import build_analysis_db
     from kvlens.errors import NoDataError
+
+    _given_model(model, model_config)  # a bad --model / --model-config fails before any work
 
     def compute(con: Any) -> Any:
         present = [r[0] for r in con.execute("SELECT DISTINCT scenario FROM requests ORDER BY 1").fetchall()]
@@ -240,8 +278,9 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
         with click.progressbar(chosen, label="analyze", file=sys.stderr, width=30,
                                item_show_func=lambda s: s or "") as bar:
             for scenario in bar:
-                yield from analyze_scenario(con, scenario, _scenario_model(con, scenario, model),
-                                            cache_tokens=cache_tokens, join=join, metrics_from=metrics_from)
+                geometry, source = _scenario_model(con, scenario, model, model_config)
+                yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
+                                            metrics_from=metrics_from, model_source=source)
 
     path = build_analysis_db(db, lake, compute)
     click.echo(f"analysis DB written: {path}")
@@ -263,10 +302,11 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
 @click.option("--max-seqs", type=click.IntRange(min=1), default=8, show_default=True,
               help="Concurrent sequences per replica; more queue.")
 @click.option("--model", default=None, help="Model geometry (default: the requests' model).")
+@_model_config_option
 @click.option("--seed", type=int, default=0, show_default=True)
 def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, capacity_tokens: int | None,
                  pool_tokens: int | None, routing: str, load_factor: float | None, max_seqs: int,
-                 model: str | None, seed: int) -> None:
+                 model: str | None, model_config: str | None, seed: int) -> None:
     """Replay a scenario's requests on N replicas under a routing policy; write a what-if scenario.
 
     Example: kvlens simulate --lake lake --from conv --scenario rr8 --replicas 8 --routing round_robin
@@ -282,7 +322,8 @@ def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, capacity_
     if reqs.is_empty():
         raise NoDataError(f"scenario {source!r} has no requests in lake {lake}: import it first")
     blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = ?", params=[source]).pl()
-    geometry = _scenario_model(con, source, model)
+    _given_model(model, model_config)  # a bad --model / --model-config fails before any work
+    geometry, _ = _scenario_model(con, source, model, model_config)
     config = SimConfig(replicas=replicas, capacity_tokens=capacity_tokens, pool_tokens=pool_tokens,
                        routing=RoutingPolicy(routing), load_factor=load_factor, seed=seed, max_seqs=max_seqs)
     result = simulate(requests=reqs, request_blocks=blocks, config=config, model=geometry)
@@ -305,6 +346,7 @@ def collect_group() -> None:
 @click.option("--topic", default="", help="Subscription topic prefix (default: every topic).")
 @click.option("--replica", default=None, help="Replica name (default: from a kv@<pod>@<model> topic).")
 @click.option("--model", default=None, help="Model name recorded as the rows' namespace.")
+@_model_config_option
 @click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
 @click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
 @click.option("--metrics-port", type=int, default=None, help="Serve the collector's own /metrics here.")
@@ -319,7 +361,8 @@ def collect_group() -> None:
               help="Commit a segment (with its checkpoint) at least this often.")
 @click.option("--scenario", default="live", show_default=True, help="Scenario the events are written to.")
 def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, replica: str | None,
-                     model: str | None, lake: str, duration: float | None, metrics_port: int | None,
+                     model: str | None, model_config: str | None, lake: str, duration: float | None,
+                     metrics_port: int | None,
                      metrics_addr: str, bind: bool, config: str | None, keep_tokens: bool,
                      record: str | None, flush_seconds: float, scenario: str) -> None:
     """Collect vLLM / SGLang KV-cache events over ZMQ into kv_events, with replay and checkpoints.
@@ -332,6 +375,7 @@ def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, repli
 
     from collector.live import CollectorOptions, LiveCollector, build_sources
 
+    model = _model_name(model, model_config)
     sources = build_sources(endpoint=endpoint, replay=replay, topic=topic, replica=replica, model=model,
                             bind=bind, config=config)
     collector = LiveCollector(CollectorOptions(lake=lake, sources=sources, keep_tokens=keep_tokens,
@@ -390,12 +434,14 @@ def hash_cmd(block_size: int, algo: str, seed: str | None, salt: str | None, lor
 
 @cli.command("probe")
 @click.option("--model", default=None, help="Model geometry to probe (default: the project default model).")
+@_model_config_option
 @click.option("--prefix-tokens", default=None,
               help="Comma-separated prefix lengths [GPU default: 4096,16384,32768,65536].")
 @click.option("--lake", type=click.Path(file_okay=False), default=None,
               help="Append the rows to probe_runs in this lake (scenario probe).")
 @click.option("--quick", is_flag=True, help="Fewer prefix lengths and runs.")
-def probe_cmd(model: str | None, prefix_tokens: str | None, lake: str | None, quick: bool) -> None:
+def probe_cmd(model: str | None, model_config: str | None, prefix_tokens: str | None, lake: str | None,
+              quick: bool) -> None:
     """Measure KV transfer paths and prefill on this machine's GPU (a tiny CPU run without one).
 
     Example: kvlens probe --model llama-3.1-8b --prefix-tokens 4096,16384 --lake lake
@@ -404,8 +450,8 @@ def probe_cmd(model: str | None, prefix_tokens: str | None, lake: str | None, qu
     from gpu_probe.timing import cuda_available, import_torch
     from kvlens.models import resolve_model
 
+    geometry = _given_model(model, model_config) or resolve_model(None)
     import_torch()
-    geometry = resolve_model(model)
     tokens = parse_prefix_tokens(prefix_tokens)
     cuda = cuda_available()
     if not cuda:
@@ -477,11 +523,13 @@ def _import_otlp(fmt: str, files: tuple[str, ...], lake: str, scenario: str, mod
               help="Largest request body accepted, before and after gunzip (413 above).")
 @click.option("--replica", default=None, help="Replica name for every row (default: from the resource).")
 @click.option("--model", default=None, help="Model name for spans that carry none.")
+@_model_config_option
 @click.option("--flush-seconds", type=float, default=5.0, show_default=True,
               help="Commit a segment at least this often.")
 @click.option("--scenario", default="live", show_default=True, help="Scenario the requests are written to.")
 def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_bytes: int,
-                     replica: str | None, model: str | None, flush_seconds: float, scenario: str) -> None:
+                     replica: str | None, model: str | None, model_config: str | None, flush_seconds: float,
+                     scenario: str) -> None:
     """Receive OTLP/HTTP traces (vLLM llm_request spans) into requests; GET /metrics on the same port.
 
     Example: kvlens collect otlp --listen 127.0.0.1:4318 --lake lake --duration 600
@@ -491,6 +539,7 @@ def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_by
 
     from collector.otlp_server import OtlpReceiver, ReceiverOptions, parse_listen
 
+    model = _model_name(model, model_config)
     host, port = parse_listen(listen)
     receiver = OtlpReceiver(ReceiverOptions(lake=lake, host=host, port=port, replica=replica, model=model,
                                             max_body_bytes=max_body_bytes, flush_age_s=flush_seconds,

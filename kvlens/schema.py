@@ -258,6 +258,13 @@ SCENARIOS = Table("scenarios", "analysis", "One row per analyzed scenario: what 
     _c("requests", "BIGINT", "requests in the scenario"),
     _c("needed_blocks", "BIGINT", "full blocks needed", "blocks"),
     _c("analyzed_ns", "BIGINT", "when kvlens analyze ran", "ns"),
+    _c("model_source", "VARCHAR", "where the geometry came from: `given` (--model, --model-config), "
+       "`requests` (the requests' model), or `default` (assumed: no model known)"),
+    _c("provenance", "VARCHAR", "`simulated` (kvlens simulate wrote its requests: every figure modelled) or "
+       "`measured` (recorded by sources outside kvlens)"),
+    _c("sources", "VARCHAR", "formats its requests came from (requests.source), comma-separated"),
+    _c("ttft_label", "VARCHAR", "its TTFT figures: `measured`, `modelled`, or NULL when it has none"),
+    _c("assumptions", "VARCHAR", "what its modelled figures assume, in words; NULL when nothing is modelled"),
 ))
 
 BLOCK_OUTCOMES = Table("block_outcomes", "analysis", "One outcome per needed full block per request.", (
@@ -310,13 +317,17 @@ REQUEST_SOURCES = Table("request_sources", "analysis",
     _c("matched", "BIGINT", "of them, found in the source"),
     _c("missing", "BIGINT", "of them, absent from the source"),
     _c("only_in_source", "BIGINT", "source requests with no request in the scenario"),
+    _c("matched_by_suffix", "BIGINT", "of matched, through vLLM's `<id>-<index>` / `<id>_<index>` engine id"),
+    _c("ambiguous", "BIGINT", "requests whose id several suffixed source ids share (one call, many prompts): "
+       "left unmatched"),
     _c("clock_offset_ms", "DOUBLE", "median of source arrival minus scenario arrival", "ms"),
     _c("clock_offset_iqr_ms", "DOUBLE", "interquartile range of that offset", "ms"),
 ))
 
 REUSE = Table("reuse", "analysis", "Reuse distance per re-access, per stream.", (
     _SCENARIO,
-    _c("stream", "VARCHAR", "access stream: requests, a replica/tier, fleet, or a prefix group"),
+    _c("stream", "VARCHAR",
+       "access stream: requests (full blocks only), a replica/tier, fleet, or a prefix group"),
     _c("block_hash", "UBIGINT", "block re-accessed"),
     _c("ts_ns", "BIGINT", "time of the re-access", "ns"),
     _c("distance_blocks", "BIGINT", "distinct blocks touched since the previous access", "blocks"),
@@ -326,12 +337,15 @@ REUSE = Table("reuse", "analysis", "Reuse distance per re-access, per stream.", 
 
 MRC = Table("mrc", "analysis", "LRU hit ratio against capacity, per stream.", (
     _SCENARIO,
-    _c("stream", "VARCHAR", "access stream (`requests`: every request_blocks row in arrival order)"),
+    _c("stream", "VARCHAR", "access stream (`requests`: every full block of request_blocks in arrival order, "
+       "then position; partial tails are never cached)"),
     _c("method", "VARCHAR", "exact, or shards (sampled)"),
-    _c("capacity_blocks", "BIGINT", "cache capacity", "blocks"),
-    _c("capacity_bytes", "BIGINT", "cache capacity", "bytes"),
-    _c("hit_ratio_blocks", "DOUBLE", "hits over accesses, by blocks", "ratio"),
-    _c("hit_ratio_bytes", "DOUBLE", "hit bytes over accessed bytes", "ratio"),
+    _c("capacity_blocks", "BIGINT", "cache capacity: slots of one block each (paged KV memory)", "blocks"),
+    _c("capacity_bytes", "BIGINT",
+       "capacity_blocks x full-block bytes (block_size_tokens x KV bytes per token)", "bytes"),
+    _c("hit_ratio_blocks", "DOUBLE", "LRU hits over the stream's accesses (full blocks, not prompt tokens)",
+       "ratio"),
+    _c("hit_ratio_bytes", "DOUBLE", "hit bytes over the stream's bytes (full blocks)", "ratio"),
 ))
 
 FLOWS = Table("flows", "analysis", "Bytes read, written and copied per tier and replica per window.", (

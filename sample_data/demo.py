@@ -144,22 +144,29 @@ def _side_by_side(db: Path) -> list[str]:
     return lines
 
 
+# The curve's ratios are over full blocks (the cache's stream); x full-block share = share of prompt.
 CAPACITY_SQL = """
 SELECT c.c_eff_bytes, c.hit_ratio_bytes_at_eff, c.hit_ratio_bytes_at_2x_eff,
-       (SELECT max(hit_ratio_bytes) FROM mrc WHERE scenario = c.scenario AND method = 'exact') AS unbounded
+       (SELECT max(hit_ratio_bytes) FROM mrc WHERE scenario = c.scenario AND method = 'exact') AS unbounded,
+       (SELECT (sum(prompt_tokens) - sum(tail_partial_tokens)) / sum(prompt_tokens) FROM request_ledger
+        WHERE scenario = c.scenario) AS full_share
 FROM capacity c WHERE c.scenario = $scenario
 """
 
 
 def _capacity(db: Path, fleet_tokens: int) -> list[str]:
     con = duckdb.connect(str(db), read_only=True)
-    ((c_eff, at, at2, unbounded),) = con.execute(CAPACITY_SQL, {"scenario": next(iter(WHAT_IFS))}).fetchall()
+    scenario = next(iter(WHAT_IFS))
+    ((c_eff, at, at2, unbounded, full),) = con.execute(CAPACITY_SQL, {"scenario": scenario}).fetchall()
     con.close()
     return [
         "",
-        f"Capacity: the fleet's {fleet_tokens / 1e6:.0f}M tokens ({c_eff / 2**40:.2f} TiB of KV) as one "
-        f"shared LRU would serve {at:.1%} of prompt bytes;",
-        f"  doubling it would serve {at2:.1%}, an unbounded cache {unbounded:.1%} (exact miss-ratio curve).",
+        "Capacity (modelled: an LRU of full-block slots on the exact miss-ratio curve): the fleet's "
+        f"{fleet_tokens / 1e6:.0f}M tokens",
+        f"  of cache ({c_eff / 2**40:.2f} TiB of KV; nothing measured to subtract, so C_eff = C_physical) "
+        "as one shared LRU would serve",
+        f"  {at * full:.1%} of prompt tokens; doubling it {at2 * full:.1%}, an unbounded cache "
+        f"{unbounded * full:.1%} (the reusable share above).",
     ]
 
 

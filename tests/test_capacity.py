@@ -60,6 +60,7 @@ def test_ttl_coverage_by_hand() -> None:
     rb = con.from_arrow(pl.DataFrame({
         "request_id": ["a", "b", "c", "c"], "scenario": "s", "arrival_ns": [0, 10 * S, 100 * S, 100 * S],
         "position": [0, 0, 0, 1], "block_hash": pl.Series([1, 1, 1, 2], dtype=pl.UInt64), "block_tokens": 1,
+        "block_size_tokens": 1,
     }).to_arrow())
     out = ttl_coverage(request_blocks=rb, bytes_per_token=1, scenario="s", ttls_s=[100, 30])
     assert out["ttl_s"].to_list() == [30.0, 100.0]
@@ -73,6 +74,24 @@ def test_ttl_coverage_by_hand() -> None:
     assert short["ttl_hit_ratio_bytes"] == 0.25 and long_["ttl_hit_ratio_bytes"] == 0.5
     # with 2 bytes an LRU keeps block 1 through both re-accesses (distances 1 and 1)
     assert long_["lru_hit_ratio_bytes_at_peak"] == 0.5
+
+
+def test_ttl_pinned_bytes_with_real_kv_bytes_do_not_overflow() -> None:
+    # Llama-3.1-70B: 327,680 B per token, 512-token blocks (167,772,160 B each). One block held
+    # for 60 s is 1.0e19 byte-nanoseconds, past int64 (9.2e18): the mean must stay exact.
+    con = duckdb.connect()
+    per_token, block = 327_680, 512
+    rb = con.from_arrow(pl.DataFrame({
+        "request_id": ["a", "b", "c"], "scenario": "s", "arrival_ns": [0, 100 * S, 200 * S],
+        "position": [0, 0, 0], "block_hash": pl.Series([1, 2, 3], dtype=pl.UInt64), "block_tokens": block,
+        "block_size_tokens": block,
+    }).to_arrow())
+    out = ttl_coverage(request_blocks=rb, bytes_per_token=per_token, scenario="s", ttls_s=[60])
+    row = out.row(0, named=True)
+    block_bytes = block * per_token
+    # the window ends at the last access (200 s): blocks 1 and 2 are held 60 s each, block 3 1 ns
+    assert row["pinned_mean_bytes"] == pytest.approx(2 * block_bytes * 60 / 200, rel=1e-9)
+    assert row["pinned_peak_bytes"] == block_bytes
 
 
 def test_analyze_writes_ttl_coverage_and_capacity_when_told_the_cache(

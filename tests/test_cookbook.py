@@ -46,3 +46,16 @@ def test_recipes_on_the_ledger_find_rows(demo_workdir: Path) -> None:
                      "Blocks most often lost to eviction"):
             _, rows = query(sql, db=demo_workdir / "kvlens.duckdb")
             assert rows, title
+
+
+def test_reusable_share_definitions_on_the_mooncake_trace(demo_workdir: Path) -> None:
+    # README's comparison with other tools' figures rests on these numbers (issue 18, item 8).
+    recipe = {t: sql for t, _, sql in RECIPES}
+    _, rows = query(recipe["Reusable share of a trace, as kvlens and as other tools count it"],
+                    db=demo_workdir / "kvlens.duckdb")
+    got = {d.split(":")[0]: round(r, 4) for d, r in rows}
+    assert got == {"kvlens": 0.3734, "partial tails counted as reused / prompt tokens": 0.3957,
+                   "blocks needed again / blocks": 0.3664, "mean of per-request block ratios": 0.3843}
+    _, rows = query(recipe["Hit share at a cache capacity, from the reuse distances"],
+                    db=demo_workdir / "kvlens.duckdb")
+    assert {tuple(round(v, 4) for v in r[2:]) for r in rows} == {(0.3415, 0.3493, 0.3638)}

@@ -72,8 +72,13 @@ def _rows(cur: duckdb.DuckDBPyConnection, table: str, scenario: str) -> int:
     return table_rows(cur, table, scenario) or 0
 
 
+def _base(label: str) -> str:
+    """A metric's label without what it says beside it: ``TTFT P50 (modelled)`` -> ``TTFT P50``."""
+    return label.split(" (")[0]
+
+
 def _metric(at: AppTest, label: str) -> str:
-    return next(m.value for m in at.metric if m.label == label)
+    return next(m.value for m in at.metric if _base(m.label) == label)
 
 
 def test_every_page_is_declared_with_a_table() -> None:
@@ -88,7 +93,7 @@ def test_page_renders_its_chart_or_says_no_rows(db: str, cur: duckdb.DuckDBPyCon
     assert at.header, "every page has a header"
     if _rows(cur, PAGE_TABLES[page], scenario):
         assert at.get("vega_lite_chart"), f"{page}: {PAGE_TABLES[page]} has rows but no chart was drawn"
-        assert PAGE_METRICS.get(page, set()) <= {m.label for m in at.metric}
+        assert PAGE_METRICS.get(page, set()) <= {_base(m.label) for m in at.metric}
     else:
         assert any("no rows yet" in i.value for i in at.info), f"{page}: an empty analysis must say so"
 
@@ -159,7 +164,21 @@ def test_whatif_shows_every_scenario(db: str, cur: duckdb.DuckDBPyConnection) ->
     at = _page(db, "whatif")
     names = [r[0] for r in cur.execute("SELECT scenario FROM scenarios ORDER BY 1").fetchall()]
     labels = [m.label for m in at.metric]
-    assert labels == [f"{n}: token hit ratio" for n in names]
+    # every scenario of the demo's DB is a simulated what-if (scenarios.provenance): modelled
+    assert labels == [f"{n}: token hit ratio (modelled)" for n in names]
+    assert any("Modelled, not measured" in c.value and "TTFT = queue" in c.value for c in at.caption)
+    tails = at.dataframe[-1].value
+    assert set(tails["ttft"]) == {"modelled"}
+
+
+def test_modelled_figures_and_an_unsubtracted_c_eff_say_so(db: str) -> None:
+    at = _page(db, "latency")
+    assert {m.label for m in at.metric} >= {"TTFT P50 (modelled)", "TTFT P99 (modelled)"}
+    assert any(c.value.startswith("Modelled, not measured") for c in at.caption)
+    at = _page(db, "capacity")
+    # the demo gives --cache-tokens and has no engine metrics: nothing is subtracted
+    assert "C_eff (nothing subtracted)" in {m.label for m in at.metric}
+    assert "Byte hit ratio at C_eff (modelled LRU)" in {m.label for m in at.metric}
 
 
 def test_missing_db_is_an_error_on_the_page(tmp_path: Path) -> None:

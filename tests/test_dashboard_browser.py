@@ -186,7 +186,8 @@ def _metric(driver: object, label: str) -> str:
     from selenium.webdriver.common.by import By
 
     for m in driver.find_elements(By.CSS_SELECTOR, '[data-testid="stMetric"]'):
-        if m.find_element(By.CSS_SELECTOR, '[data-testid="stMetricLabel"]').text.strip() == label:
+        shown = m.find_element(By.CSS_SELECTOR, '[data-testid="stMetricLabel"]').text.strip()
+        if shown.split(" (")[0] == label:  # "Token hit ratio (modelled)": the label carries the provenance
             return str(m.find_element(By.CSS_SELECTOR, '[data-testid="stMetricValue"]').text)
     raise AssertionError(f"no metric {label!r} on the page")
 

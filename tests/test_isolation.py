@@ -88,6 +88,19 @@ def test_planted_cross_tenant_reuse_is_a_high_finding() -> None:
     assert set(got["scenario"]) == {S}
 
 
+def test_token_sums_do_not_wrap_at_int32() -> None:
+    # block_outcomes.tokens is INTEGER (Int32): a fleet's hits summed per tenant pair pass 2**31
+    # tokens long before any one block does; stand in for millions of blocks with three big ones.
+    big = 2**30
+    reqs = [_req("a1", "acme", 1), _req("b1", "bolt", 2)]
+    blocks = [_blk("a1", 1, p, 11 + p, size=big) for p in range(3)] + [_blk("b1", 2, p, 11 + p, size=big)
+                                                                        for p in range(3)]
+    outcomes = [{**_out("a1", p, 11 + p, "miss_cold"), "tokens": big} for p in range(3)]
+    outcomes += [{**_out("b1", p, 11 + p, "hit_local"), "tokens": big} for p in range(3)]
+    got = _audit(reqs, blocks, outcomes, []).filter(pl.col("finding") == "cross_tenant_reuse")
+    assert got.select("tokens", "bytes").rows() == [(3 * big, 3 * big * BPT)]
+
+
 def test_incompatible_namespaces_name_what_differs() -> None:
     a, b = "llama|rev1|sha256|seed0", "llama|rev1|sha256_cbor|seed0"
     reqs = [_req("x", None, 1), _req("y", None, 2)]

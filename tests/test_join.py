@@ -50,7 +50,36 @@ def test_join_fills_timings_and_reports_matches_and_clock_offset(lake: Path) -> 
                    ("r3", "a", None, None, "gateway")]
     assert report.rows(named=True) == [{
         "scenario": "gw", "source_scenario": "spans", "source": "otlp", "requests": 3, "matched": 2,
-        "missing": 1, "only_in_source": 1, "clock_offset_ms": 5.0, "clock_offset_iqr_ms": 0.0}]
+        "missing": 1, "only_in_source": 1, "matched_by_suffix": 0, "ambiguous": 0, "clock_offset_ms": 5.0,
+        "clock_offset_iqr_ms": 0.0}]
+
+
+def test_vllm_suffixed_engine_ids_match_for_every_index(tmp_path: Path,
+                                                       write_jsonl: Callable[..., Path]) -> None:
+    # The gateway logs API ids; vLLM's spans carry the engine's <id>-<prompt index> (completions)
+    # or <id>_<index> (chat with several inputs). A gateway id that itself ends in -0 keeps it.
+    ids = ["cmpl-a", "cmpl-b", "chatcmpl-c", "bar-0", "bar", "cmpl-d", "cmpl-e"]
+    gw = write_jsonl("gw.jsonl", [{"request_id": rid, "arrival_ns": T0 + i * MS, "prompt_tokens": 16,
+                                   "block_size": 16, "block_hashes": [i + 1]} for i, rid in enumerate(ids)])
+    root = tmp_path / "lake"
+    import_files("gateway", [gw], root, scenario="gw")
+    spans = [("cmpl-a-0", 10.0), ("cmpl-b-3", 20.0), ("chatcmpl-c_1", 30.0), ("bar-0", 40.0),
+             ("cmpl-d-0", 50.0), ("cmpl-d-1", 51.0), ("cmpl-e", 60.0), ("cmpl-e-0", 61.0), ("zzz-0", 70.0)]
+    with SegmentWriter(root, "requests", scenario="spans", replace=True) as w:
+        w.append_rows([{"request_id": rid, "arrival_ns": T0, "ttft_ms": ttft, "source": "otlp"}
+                       for rid, ttft in spans])
+    con = duckdb.connect()
+    open_lake(con, root)
+    joined, report = join_sources(requests=con.table("requests"), scenario="gw", sources=["spans"])
+    assert joined.select("request_id", "ttft_ms").rows() == [
+        ("cmpl-a", 10.0), ("cmpl-b", 20.0), ("chatcmpl-c", 30.0),
+        ("bar-0", 40.0),  # its own id, matched exactly
+        ("bar", None),  # bar-0 belongs to the request named bar-0
+        ("cmpl-d", None),  # two prompts of one call: ambiguous, not guessed
+        ("cmpl-e", 60.0)]  # the exact id wins over a suffixed one
+    row = report.row(0, named=True)
+    assert (row["matched"], row["matched_by_suffix"], row["ambiguous"], row["missing"]) == (5, 3, 1, 2)
+    assert row["only_in_source"] == len(spans) - 5
 
 
 def test_analyze_join_lets_the_ledger_be_cut_by_ttft(lake: Path, tmp_path: Path) -> None:

@@ -64,9 +64,10 @@ def test_real_bodies_hold_one_llm_request_span_per_request() -> None:
     assert [len(b.rows) for b in batches] == [230, 70]
     assert all(b.other_spans == 0 and b.bad_spans == 0 for b in batches)
     rows = [r for b in batches for r in b.rows]
-    # The span's id is the API response id plus "-0"; stored without the suffix, they match
-    # the client's ids one for one, in the order the engine finished them (one at a time).
-    assert [r["request_id"] for r in rows] == [c["request_id"] for c in _client()]
+    # The span's id is the engine's: the API response id plus "-0" (vLLM's prompt index), kept as
+    # sent; they match the client's ids one for one (analyzers/join.py pairs them), in the order
+    # the engine finished them (one at a time).
+    assert [r["request_id"] for r in rows] == [c["request_id"] + "-0" for c in _client()]
 
 
 def test_real_bodies_give_the_engine_timings_and_usage() -> None:
@@ -85,7 +86,7 @@ def test_real_bodies_give_the_engine_timings_and_usage() -> None:
 
 def test_first_span_matches_its_hand_read_values() -> None:
     row = parse_otlp_protobuf(BODIES[0].read_bytes()).rows[0]
-    assert row["request_id"] == "cmpl-9d4e923b891af8e2"
+    assert row["request_id"] == "cmpl-9d4e923b891af8e2-0"
     assert row["arrival_ns"] == 1796064004308312064 and row["end_ns"] == 1796064004337894297
     assert row["ttft_ms"] == pytest.approx(17.369747161865234)
     assert row["queue_ms"] == pytest.approx(0.035071999718638835)
@@ -126,7 +127,7 @@ def test_json_values_follow_the_otlp_mapping() -> None:
              "gen_ai.latency.time_in_queue": {"doubleValue": "NaN"},
              "gen_ai.request.model": {"stringValue": "llama"}}
     row = parse_otlp_json(_doc([_span("llm_request", attrs)])).rows[0]
-    assert row["request_id"] == "chatcmpl-7-1"  # only the "-0" suffix is dropped
+    assert row["request_id"] == "chatcmpl-7-1"  # as sent
     assert (row["prompt_tokens"], row["output_tokens"], row["model"]) == (4096, 3, "llama")
     assert row["ttft_ms"] == 250.0 and row["first_token_ns"] == 1_000 + 250_000_000
     assert row["queue_ms"] is None and row["prefill_ms"] is None  # NaN and absent: unknown
@@ -149,7 +150,14 @@ def test_other_and_idless_spans_are_counted_not_errors() -> None:
              _span("llm_request", {"gen_ai.request.id": {"stringValue": "ok-0"}})]
     batch = parse_otlp_json(_doc(spans))
     assert (len(batch.rows), batch.other_spans, batch.bad_spans, batch.spans) == (1, 2, 1, 4)
-    assert batch.rows[0]["request_id"] == "ok"
+    assert batch.rows[0]["request_id"] == "ok-0"
+
+
+def test_request_ids_are_never_rewritten() -> None:
+    # A span whose own id is bar-0 lands as bar-0; matching vLLM's <id>-<index> form is the join's job.
+    ids = ["bar-0", "bar-1", "bar", "cmpl-x-0-0", "-0"]
+    spans = [_span("llm_request", {"gen_ai.request.id": {"stringValue": rid}}) for rid in ids]
+    assert [r["request_id"] for r in parse_otlp_json(_doc(spans)).rows] == ids
 
 
 @pytest.mark.parametrize("body", [b"{}", b'{"resourceSpans": []}'])

@@ -105,7 +105,7 @@ def test_sdk_exporter_spans_land_once_with_their_timings(receiver: OtlpReceiver,
     assert len(rows) == 300
     for i, row in enumerate(rows):
         start = T0_NS + i * 1_000_000_000
-        assert row[0] == f"cmpl-{i:04d}"
+        assert row[0] == f"cmpl-{i:04d}-0"  # the engine's id, as sent
         assert row[1:4] == (start, start + (i + 1) * 1_000_000, start + 90_000_000)
         assert row[4:7] == pytest.approx((i + 1, 0.5, i / 2))
         assert row[7:] == (100 + i, 7, "vllm-7", "live", "otlp")

@@ -46,12 +46,36 @@ def demo_report(demo_workdir: Path) -> Report:
 
 def test_tiny_headline_and_findings_are_computed_from_the_ledger(tiny_db: Path) -> None:
     text = build_report(tiny_db).text
-    assert re.search(r"^a\s+2\s+350\s+0\.0%\s+0\.0%", text, re.M)
-    assert re.search(r"^b\s+2\s+350\s+28\.6%\s+28\.6%", text, re.M)  # 100 of 350 tokens; 1000 of 3500 B
-    assert ("In a, 28.6% of prompt tokens missed because the block lived on another replica (miss_routing); "
-            "the worst replica is replica-1, where it cost 40.0% of its prompt tokens. "
-            "Of those tokens, b served 100.0%") in text
-    assert "b has the highest token hit ratio (28.6%), 28.6 points above a (0.0%)." in text
+    assert re.search(r"^a\s+measured\s+2\s+350\s+0\.0%\s+0\.0%", text, re.M)
+    # 100 of 350 tokens; 1000 of 3500 B
+    assert re.search(r"^b\s+modelled\s+2\s+350\s+28\.6%\s+28\.6%", text, re.M)
+    assert ("In a (measured), 28.6% of prompt tokens missed because the block lived on another replica "
+            "(miss_routing); the worst replica is replica-1, where it cost 40.0% of its prompt tokens. "
+            "Of those tokens, b (modelled) served 100.0%") in text
+    assert ("b has the highest token hit ratio (28.6%, modelled), 28.6 points above a (0.0%, measured)."
+            in text)
+
+
+def test_every_figure_says_measured_or_modelled_and_what_it_assumed(tiny_db: Path) -> None:
+    # a is measured, b a simulated what-if (scenarios.provenance, not the name): TTFT cells carry
+    # the label, the headline names the assumption, and the byte figures their geometry.
+    text = build_report(tiny_db).text
+    assert re.search(r"^a\s+measured\s.*200\.0 ms \(measured\)\s+298\.0 ms \(measured\)$", text, re.M)
+    assert re.search(r"^b\s+modelled\s.*150\.0 ms \(modelled\)\s+199\.0 ms \(modelled\)$", text, re.M)
+    assert ("Modelled, not measured: b (a simulated what-if; tiny simulator: TTFT = queue + prefill at a "
+            "stated rate).") in text
+    assert "Byte figures use tiny's KV geometry, 10 B per token (given to kvlens analyze)." in text
+    assert re.search(r"^outcome\s+a \(measured\)\s+b \(modelled\)$", text, re.M)
+    con = duckdb.connect(str(tiny_db))
+    con.execute("UPDATE scenarios SET model_source = 'default', model = 'llama-3.1-70b'")
+    con.execute("INSERT INTO fanout (scenario, window_start_ns, needed_blocks, shared_blocks, "
+                f"fanout_max_replicas, duplicate_bytes) VALUES ('a', {T0_NS}, 2, 1, 2, 1000)")
+    con.close()
+    assumed = build_report(tiny_db).text
+    assert ("Byte figures use llama-3.1-70b's KV geometry, 10 B per token (assumed: no model was given "
+            "(pass --model or --model-config to kvlens analyze)).") in assumed
+    assert ("1000 B of KV held or computed more than once; bytes assume llama-3.1-70b's KV geometry: "
+            "no model was given.") in assumed
 
 
 def test_sections_without_rows_are_absent_and_appear_with_rows(tiny_db: Path) -> None:
@@ -76,15 +100,17 @@ def test_sections_without_rows_are_absent_and_appear_with_rows(tiny_db: Path) ->
     con.close()
     after = build_report(tiny_db)
     assert "Latency tails (whole scenario)" in after.text and "tails" in after.images
-    assert re.search(r"^a\s+2\s+200\.0 ms\s+290\.0 ms\s+298\.0 ms\s+1\.5x", after.text, re.M)  # roll-up
-    assert ("slowest prefix class is miss_routing (1 requests, whole scenario): TTFT P99 300.0 ms"
-            in after.text)
+    assert re.search(r"^a\s+2\s+200\.0 ms \(measured\)\s+290\.0 ms \(measured\)\s+298\.0 ms \(measured\)"
+                     r"\s+1\.5x \(measured\)", after.text, re.M)  # the roll-up row
+    assert "TTFT of a is measured." in after.text
+    assert ("In a (measured), the slowest prefix class is miss_routing (1 requests, whole scenario): "
+            "TTFT P99 300.0 ms (measured)" in after.text)
     assert "000000000000000b" in after.text and "publish" in after.text
     assert ("On H100 (tiny), loading a prefix beats recomputing it from 4,096 tokens over pool "
             "(load modelled, recompute modelled).") in after.text
     assert set(after.images) == {"ledger", "trend", "tails", "crossover"}
-    assert ("In a, 1 of 2 distinct blocks needed per window (50.0%) were needed by two replicas or more "
-            "(up to 2): 1000 B of KV held or computed more than once.") in after.text
+    assert ("In a (measured), 1 of 2 distinct blocks needed per window (50.0%) were needed by two replicas "
+            "or more (up to 2): 1000 B of KV held or computed more than once.") in after.text
     assert "replicas or more" not in before.text
 
 
@@ -139,6 +165,28 @@ def test_duration_parsing() -> None:
 
 
 # --- the demo: golden text, self-contained HTML -----------------------------------------------
+
+_TIME = re.compile(r"\d[\d,]*(?:\.\d+)? (?:ms|s)\b(?! \((?:modelled|measured)\))")
+
+
+def _section(text: str, title: str) -> str:
+    start = text.index(f"\n{title}\n")
+    end = text.find("\n\n\n", start)  # sections are separated by a blank line pair
+    nxt = re.search(r"\n[^\n]+\n-{3,}\n", text[start + len(title) + 3:])
+    return text[start:start + len(title) + 3 + nxt.start()] if nxt else text[start:end if end > 0 else None]
+
+
+def test_every_modelled_number_of_the_demo_report_says_so(demo_report: Report) -> None:
+    # Every scenario of the demo report is a simulated what-if: each TTFT figure in the headline
+    # and the tails carries its label, and each finding says modelled.
+    text = demo_report.text
+    for title in ("Headline", "Latency tails (whole scenario)"):
+        part = _section(text, title)
+        assert "(modelled)" in part and not _TIME.findall(part.split("\n\n", 1)[-1]), title
+    bullets = [line for line in _section(text, "Top findings").splitlines() if line.startswith("- ")]
+    assert bullets and all("modelled" in b for b in bullets), [b for b in bullets if "modelled" not in b]
+    assert "effective cache" not in text  # nothing was subtracted: C_eff is the configured cache
+    assert "C_eff = C_physical" in text
 
 GOLDEN_DEFAULT_NOW = GOLDEN.with_name("report_demo_default_now.txt")
 

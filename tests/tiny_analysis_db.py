@@ -1,6 +1,7 @@
 """A hand-built analysis DB for the report and export tests: two scenarios, two requests, known numbers.
 
-Scenario ``a`` (round robin) and ``b`` (a what-if of the same requests), 10 KV bytes per token:
+Scenario ``a`` (measured, round robin) and ``b`` (a simulated what-if of the same requests, so its
+figures are modelled), 10 KV bytes per token:
 
     request  arrival  replica (a / b)      blocks (100 tokens each)      prompt  tail
     r1       t0       replica-0 / replica-0  pos0 miss_cold / miss_cold    100     0
@@ -23,6 +24,7 @@ from kvlens.schema import ANALYSIS_TABLES
 __all__ = ["T0_NS", "make_tiny_db"]
 
 T0_NS = 1_735_689_600 * 10**9  # 2025-01-01T00:00:00Z
+_ASSUMED = "tiny simulator: TTFT = queue + prefill at a stated rate"
 S = 10**9
 
 _BLOCKS = [  # scenario, request, replica, arrival, position, hash, outcome, holder
@@ -47,8 +49,12 @@ def make_tiny_db(path: Path) -> Path:
     create_enum_types(con)
     for table in ANALYSIS_TABLES:
         con.execute(f"CREATE TABLE {table.name} ({', '.join(f'{c.name} {c.type}' for c in table.columns)})")
-    for s in ("a", "b"):
-        con.execute("INSERT INTO scenarios VALUES (?, 'tiny', 10, 2, 3, 0)", [s])
+    for s, provenance, ttft, source, assumed in (("a", "measured", "measured", "gateway", None),
+                                                 ("b", "simulated", "modelled", "sim", _ASSUMED)):
+        con.execute("INSERT INTO scenarios (scenario, model, kv_bytes_per_token, requests, needed_blocks, "
+                    "analyzed_ns, model_source, provenance, sources, ttft_label, assumptions) "
+                    "VALUES (?, 'tiny', 10, 2, 3, 0, 'given', ?, ?, ?, ?)",
+                    [s, provenance, source, ttft, assumed])
     con.executemany("INSERT INTO block_outcomes (scenario, request_id, replica, arrival_ns, position, "
                     "block_hash, outcome, tokens, bytes, holder) VALUES (?, ?, ?, ?, ?, ?, ?, 100, 1000, ?)",
                     _BLOCKS)

@@ -6,7 +6,7 @@ import polars as pl
 import streamlit as st
 
 from dashboards import analyses, charts
-from dashboards.common import Context, fmt_bytes, fmt_ratio, has_rows, no_rows, show_chart
+from dashboards.common import Context, fmt_bytes, fmt_ratio, has_rows, no_rows, provenance_note, show_chart
 
 __all__ = ["capacity", "flows"]
 
@@ -15,11 +15,19 @@ _WORST_WINDOW = "15m"
 
 def _capacity_metrics(marks: pl.DataFrame) -> None:
     row = marks.row(0, named=True)
+    terms = ("c_active_decode_bytes", "c_reserved_bytes", "c_fragmentation_bytes")
+    subtracted = sum(row[c] or 0 for c in terms)
     a, b, c, d = st.columns(4)
-    a.metric("C_physical", fmt_bytes(row["c_physical_bytes"]))
-    b.metric("C_eff", fmt_bytes(row["c_eff_bytes"]), help=f"active decode from {row['active_source']}")
-    c.metric("Byte hit ratio at C_eff", fmt_ratio(row["hit_ratio_bytes_at_eff"]))
-    d.metric("Gain from 2 x C_eff", fmt_ratio(row["gain_from_2x_ratio"]))
+    a.metric("C_physical", fmt_bytes(row["c_physical_bytes"]),
+             help="configured: kvlens analyze --cache-tokens")
+    if subtracted:
+        b.metric("C_eff", fmt_bytes(row["c_eff_bytes"]), help=f"active decode from {row['active_source']}")
+    else:
+        b.metric("C_eff (nothing subtracted)", fmt_bytes(row["c_eff_bytes"]),
+                 help="no decode, reserve or fragmentation was measured: C_eff = C_physical")
+    c.metric("Byte hit ratio at C_eff (modelled LRU)", fmt_ratio(row["hit_ratio_bytes_at_eff"]),
+             help="an LRU of full-block slots on the exact curve, over the full blocks' bytes")
+    d.metric("Gain from 2 x C_eff (modelled LRU)", fmt_ratio(row["gain_from_2x_ratio"]))
     parts = pl.DataFrame(
         {
             "term": ["C_physical", "- C_active_decode", "- C_reserved", "- C_fragmentation", "= C_eff"],
@@ -38,7 +46,10 @@ def _capacity_metrics(marks: pl.DataFrame) -> None:
 def capacity(ctx: Context) -> None:
     """Exact and sampled LRU curves with the fleet's effective capacity marked; TTL; warm-up."""
     st.header(f"Capacity: {ctx.scenario}")
-    st.caption("Curves and capacity cover the whole scenario: the time window does not apply here.")
+    provenance_note(ctx)
+    st.caption("Curves and capacity cover the whole scenario: the time window does not apply here. The "
+               "curves are modelled: an LRU of full-block slots replayed over the scenario's full blocks; "
+               "their ratios are of those blocks (partial tails are never cached).")
     if not has_rows(ctx, "mrc"):
         no_rows(ctx, "mrc")
         return
@@ -92,6 +103,7 @@ def _flow_metrics(frame: pl.DataFrame, long: pl.DataFrame) -> None:
 def flows(ctx: Context) -> None:
     """Bytes read, written and copied between replicas per window; never-read bytes."""
     st.header(f"Flows: {ctx.scenario}")
+    provenance_note(ctx)
     if not has_rows(ctx, "flows"):
         no_rows(ctx, "flows")
         return

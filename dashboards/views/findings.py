@@ -6,7 +6,7 @@ import polars as pl
 import streamlit as st
 
 from dashboards import analyses, charts
-from dashboards.common import Context, fmt_bytes, has_rows, no_rows, show_chart
+from dashboards.common import Context, fmt_bytes, has_rows, no_rows, provenance_note, show_chart
 
 __all__ = ["audit", "hygiene", "prefixes", "probe"]
 
@@ -16,6 +16,7 @@ _TOP_PREFIXES = 20
 def prefixes(ctx: Context) -> None:
     """Prefix groups ranked by the expected benefit of publishing them, with the reasons."""
     st.header(f"Prefixes: {ctx.scenario}")
+    provenance_note(ctx)
     st.caption("The ranking covers the whole scenario: the time window does not apply here.")
     if not has_rows(ctx, "prefix_ranking"):
         no_rows(ctx, "prefix_ranking")
@@ -84,6 +85,7 @@ def audit(ctx: Context) -> None:
 def hygiene(ctx: Context) -> None:
     """Requests whose chains split early before repeated content: tokens lost, where, who."""
     st.header(f"Hygiene: {ctx.scenario}")
+    provenance_note(ctx)
     if not has_rows(ctx, "hygiene"):
         no_rows(ctx, "hygiene")
         return

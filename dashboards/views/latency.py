@@ -6,7 +6,17 @@ import polars as pl
 import streamlit as st
 
 from dashboards import analyses, charts
-from dashboards.common import Context, fmt_ratio, has_rows, no_rows, show_chart
+from dashboards.common import (
+    Context,
+    fmt_ratio,
+    has_rows,
+    label,
+    no_rows,
+    origin,
+    provenance_note,
+    show_chart,
+)
+from dashboards.provenance import origins
 from dashboards.queries import Window, hit_ratios
 
 __all__ = ["latency", "whatif"]
@@ -27,20 +37,23 @@ def _flagged(frame: pl.DataFrame) -> pl.DataFrame:
 def latency(ctx: Context) -> None:
     """TTFT percentiles per prefix class, over time, and per replica; tails above 5x flagged."""
     st.header(f"Latency: {ctx.scenario}")
+    provenance_note(ctx)
     if not has_rows(ctx, "latency_tails"):
         no_rows(ctx, "latency_tails")
         return
+    found = origin(ctx)
     by_class = analyses.latency_by_class(ctx.cur, ctx.scenario)
     if by_class.height:
         every = by_class.filter(pl.col("prefix_class") == "all")
         if every.height:
             row = every.row(0, named=True)
             a, b, c, d = st.columns(4)
-            a.metric("TTFT P50", f"{row['ttft_p50_ms']:,.0f} ms")
-            b.metric("TTFT P99", f"{row['ttft_p99_ms']:,.0f} ms")
-            c.metric("P99/P50", f"{row['p99_p50_ratio']:.1f}x")
-            d.metric("Queue P50", f"{row['queue_p50_ms']:,.0f} ms")
-        st.caption("Per prefix class, whole scenario, all replicas.")
+            a.metric(found.ttft("TTFT P50"), f"{row['ttft_p50_ms']:,.0f} ms")
+            b.metric(found.ttft("TTFT P99"), f"{row['ttft_p99_ms']:,.0f} ms")
+            c.metric(found.ttft("P99/P50"), f"{row['p99_p50_ratio']:.1f}x")
+            d.metric(found.ttft("Queue P50"), f"{row['queue_p50_ms']:,.0f} ms")
+        st.caption(f"Per prefix class, whole scenario, all replicas; TTFT "
+                   f"{found.ttft_label or 'unlabelled'}.")
         show_chart(charts.latency_class_chart(_percentiles_long(by_class, "prefix_class")))
         st.dataframe(_flagged(by_class), hide_index=True)
     trend = analyses.latency_trend(ctx.cur, ctx.window)
@@ -54,11 +67,13 @@ def latency(ctx: Context) -> None:
 
 def _ratio_metrics(ctx: Context, names: list[str]) -> pl.DataFrame:
     rows = []
+    found = origins(ctx.cur, names)
     for name in names:
         ratios = hit_ratios(ctx.cur, Window(name, ctx.window.start_ns, ctx.window.end_ns))
         rows.append(
             {
                 "scenario": name,
+                "figures": found[name].label,
                 "requests": ratios.get("requests"),
                 "token_hit_ratio": ratios.get("token_hit_ratio"),
                 "byte_hit_ratio": ratios.get("byte_hit_ratio"),
@@ -68,11 +83,21 @@ def _ratio_metrics(ctx: Context, names: list[str]) -> pl.DataFrame:
         rows,
         schema={
             "scenario": pl.String,
+            "figures": pl.String,
             "requests": pl.Int64,
             "token_hit_ratio": pl.Float64,
             "byte_hit_ratio": pl.Float64,
         },
     )
+
+
+def _assumptions(ctx: Context, names: list[str]) -> None:
+    """Which of the scenarios are simulated, and on what model, beside their numbers."""
+    found = origins(ctx.cur, names)
+    modelled = [n for n in names if found[n].label == "modelled"]
+    if modelled:
+        texts = sorted({found[n].assumptions or "unrecorded" for n in modelled})
+        st.caption(f"Modelled, not measured: {', '.join(modelled)} (simulated what-ifs; {'; '.join(texts)}).")
 
 
 def whatif(ctx: Context) -> None:
@@ -84,9 +109,12 @@ def whatif(ctx: Context) -> None:
         return
     if not ctx.window.whole:
         st.caption("The sidebar's time window applies to every scenario here (tails are whole-scenario).")
+    _assumptions(ctx, names)
     ratios = _ratio_metrics(ctx, names)
+    found = origins(ctx.cur, names)
     for col, row in zip(st.columns(len(names)), ratios.iter_rows(named=True), strict=True):
-        col.metric(f"{row['scenario']}: token hit ratio", fmt_ratio(row["token_hit_ratio"]))
+        col.metric(label(f"{row['scenario']}: token hit ratio", found[row["scenario"]]),
+                   fmt_ratio(row["token_hit_ratio"]))
     ledgers = analyses.scenario_ledgers(ctx.cur, names, ctx.window)
     # Streamlit fits the legend inside the chart's height: leave room for the ten outcomes.
     show_chart(charts.ledger_share_chart(ledgers).properties(height=max(260, 40 * len(names))))
@@ -101,6 +129,10 @@ def whatif(ctx: Context) -> None:
     st.subheader("TTFT tails")
     tails = analyses.scenario_tails(ctx.cur, names)
     if tails.height:
+        ttft = {n: o.ttft_label for n, o in found.items()}
+        label_of = pl.col("scenario").replace_strict(ttft, default=None, return_dtype=pl.String)
+        tails = tails.with_columns(label_of.alias("ttft")).select("scenario", "ttft",
+                                                                  pl.exclude("scenario", "ttft"))
         show_chart(charts.tails_side_by_side_chart(_percentiles_long(tails, "scenario")))
         st.dataframe(_flagged(tails), hide_index=True)
     else:

@@ -6,7 +6,17 @@ import polars as pl
 import streamlit as st
 
 from dashboards import analyses, charts
-from dashboards.common import Context, fmt_bytes, fmt_ratio, has_rows, no_rows, show_chart
+from dashboards.common import (
+    Context,
+    fmt_bytes,
+    fmt_ratio,
+    has_rows,
+    label,
+    no_rows,
+    origin,
+    provenance_note,
+    show_chart,
+)
 from dashboards.queries import (
     HIT_OUTCOMES,
     hit_ratios,
@@ -32,23 +42,28 @@ def _outcome_totals(ledger: pl.DataFrame) -> pl.DataFrame:
 def _headline(ctx: Context) -> None:
     ratios = hit_ratios(ctx.cur, ctx.window)
     worst = analyses.worst_tail(ctx.cur, ctx.window) if has_rows(ctx, "latency_tails") else {}
+    found = origin(ctx)
+    per_token = found.kv_bytes_per_token
+    geometry = f"{found.model}, {per_token:,} B/token" if per_token else "unrecorded"
     a, b, c, d = st.columns(4)
     a.metric("Requests", f"{ratios.get('requests') or 0:,}")
     b.metric(
-        "Token hit ratio",
+        label("Token hit ratio", found),
         fmt_ratio(ratios.get("token_hit_ratio")),
         help="hit tokens over every prompt token (partial tails included)",
     )
     c.metric(
-        "Byte hit ratio",
+        label("Byte hit ratio", found),
         fmt_ratio(ratios.get("byte_hit_ratio")),
-        help=f"hit KV bytes over {fmt_bytes(ratios.get('prompt_bytes'))} of prompt KV",
+        help=f"hit KV bytes over {fmt_bytes(ratios.get('prompt_bytes'))} of prompt KV ({geometry}, "
+        f"{found.model_source or 'source unrecorded'})",
     )
     if worst:
         where = f"{worst['replica']}, " + (
             "whole scenario" if worst["window"] is None else f"{worst['window']:%H:%M}"
         )
-        d.metric("Worst TTFT P99/P50", f"{worst['p99_p50_ratio']:.1f}x", help=f"{where}; flagged above 5")
+        d.metric(found.ttft("Worst TTFT P99/P50"), f"{worst['p99_p50_ratio']:.1f}x",
+                 help=f"{where}; flagged above 5")
     else:
         d.metric("Worst TTFT P99/P50", "n/a", help="latency_tails has no rows yet for this scenario")
 
@@ -56,6 +71,7 @@ def _headline(ctx: Context) -> None:
 def overview(ctx: Context) -> None:
     """Hit ratios, the ledger by outcome per replica, the trend over time, the worst tail."""
     st.header(f"Overview: {ctx.scenario}")
+    provenance_note(ctx)
     if not has_rows(ctx, "miss_ledger"):
         no_rows(ctx, "miss_ledger")
         return
@@ -100,6 +116,7 @@ def _reconciliation(ctx: Context) -> None:
 def misses(ctx: Context) -> None:
     """Drill from an outcome to the replicas, to the requests, to the blocks behind it."""
     st.header(f"Misses: {ctx.scenario}")
+    provenance_note(ctx)
     if not has_rows(ctx, "block_outcomes"):
         no_rows(ctx, "block_outcomes")
         return
