@@ -109,8 +109,10 @@ def test_rows_the_lake_refuses_are_quarantined(tmp_path: Path, monkeypatch: pyte
         assert _post(_url(rec), spans_body(5, 5))[0] == 200
     assert _query(tmp_path / "lake", "SELECT count(*) FROM requests") == [(8,)]
     assert rec.metrics.value("kvlens_otlp_quarantined_rows_total") == 2
-    spilled = list((tmp_path / "lake" / ".quarantine").glob("*.jsonl"))
-    assert len(spilled) == 2 and "9223372036854775808" in spilled[0].read_text()
+    # one spill per append: the two bodies may have been appended together (under load) or apart
+    spilled = (tmp_path / "lake" / ".quarantine").glob("*.jsonl")
+    lines = [line for p in spilled for line in p.read_text().splitlines()]
+    assert len(lines) == 2 and all("9223372036854775808" in line for line in lines)
 
 
 # -- item 9: a body answered with an error is read first ----------------------------------------
