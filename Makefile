@@ -7,7 +7,7 @@ DEMO_DIR ?= kvlens-demo
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: venv browser vllm-env demo test test-integration bench lint schema-docs clean
+.PHONY: venv browser vllm-env demo test test-integration bench fuzz lint schema-docs clean
 
 venv: $(STAMP)
 
@@ -54,6 +54,12 @@ test-integration: venv vllm-env
 
 bench: venv
 	$(PY) tests/bench/run.py
+
+# Coverage-guided fuzzing of every decoder (atheris, from PyPI), 1,000,000 inputs each by default
+# (FUZZ_RUNS, FUZZ_JOBS); outside `make test`, whose suite runs a small deterministic slice.
+fuzz: venv
+	$(PY) -m pip install -q 'atheris>=3.0,<4'
+	$(PY) tests/fuzz/run.py
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.importer import INT64_MAX, FieldError, Parsed, Parser, hash_id_request, need_int, need_number
+from collector.importer import (
+    INT64_MAX,
+    FieldError,
+    Parsed,
+    Parser,
+    hash_id_request,
+    need_int,
+    need_number,
+    seconds_ns,
+)
 
 __all__ = ["BLOCK_TOKENS", "parser"]
 
@@ -31,7 +40,7 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
         roots[chat] = root
         return hash_id_request(rec, {
             "request_id": str(chat),
-            "arrival_ns": t0_ns + round(need_number(rec, "timestamp") * 1e9),
+            "arrival_ns": seconds_ns(need_number(rec, "timestamp"), "timestamp", offset_ns=t0_ns),
             "model": model,
             "session_id": str(root),
             "source": "bailian",

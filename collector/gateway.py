@@ -34,6 +34,7 @@ from collector.importer import (
     need_number,
     opt_str,
     rfc3339_ns,
+    seconds_ns,
     tail_tokens,
 )
 
@@ -46,7 +47,7 @@ def _arrival_ns(rec: dict[str, Any]) -> int:
     if "arrival_ns" in rec:
         return need_int(rec, "arrival_ns", maximum=INT64_MAX)
     if "arrival_s" in rec:
-        return round(need_number(rec, "arrival_s") * 1e9)
+        return seconds_ns(need_number(rec, "arrival_s"), "arrival_s")
     text = rec.get("arrival")
     if not isinstance(text, str):
         raise FieldError("arrival_ns", "no arrival time: give arrival_ns, arrival_s or arrival")

@@ -5,13 +5,21 @@ reads the files (plain or gzip), names the file, line and field of a bad line, s
 counts bad lines when asked, and writes both tables with ``replace=True`` so a rerun of the
 same scenario replaces it whole. An import that stops half-way (an error, a kill) commits
 nothing: the scenario's previous rows stay as they were.
+
+A line is bad (named, or counted and skipped with ``--skip-bad-lines``) when it is not JSON,
+nests deeper than the decoder's recursion limit, is longer than ``MAX_LINE_BYTES``, or holds a
+value its row cannot (kvlens.limits: a time past int64 nanoseconds, a non-finite number, a
+hash that is not an unsigned 64-bit value): ``decode_line`` checks every row before it is
+buffered, so one such line never fails the writer.
 """
 
 from __future__ import annotations
 
 import gzip
 import logging
+import math
 import os
+import re
 import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -23,11 +31,13 @@ import msgspec
 
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import SegmentWriter, commit_together
+from kvlens.limits import INT32_MAX, INT64_MAX, fits, ints_fit, row_problem
+from kvlens.schema import REQUEST_BLOCKS, REQUESTS
 
 __all__ = [
-    "DEFAULT_T0_NS", "FORMATS", "INT32_MAX", "INT64_MAX", "FieldError", "ImportResult", "Parsed",
-    "hash_id_request", "import_files", "need_hashes", "need_int", "need_number", "opt_str", "rfc3339_ns",
-    "tail_tokens",
+    "DEFAULT_T0_NS", "FORMATS", "INT32_MAX", "INT64_MAX", "MAX_LINE_BYTES", "FieldError", "ImportResult",
+    "Parsed", "decode_line", "hash_id_request", "import_files", "need_hashes", "need_int", "need_number",
+    "opt_str", "rfc3339_ns", "seconds_ns", "tail_tokens",
 ]
 
 log = logging.getLogger(__name__)
@@ -36,6 +46,8 @@ log = logging.getLogger(__name__)
 # 2025-01-01T00:00:00Z, fixed so that re-imports and reports are reproducible.
 DEFAULT_T0_NS = 1_735_689_600 * 1_000_000_000
 _BATCH_REQUESTS = 20_000
+MAX_LINE_BYTES = 64 << 20  # one request per line: a longer line is not one
+_HEX = re.compile(r"(?:0[xX])?[0-9a-fA-F]+")
 _BLOCK_COLUMNS = ("position", "block_hash", "content_hash", "token_hash", "block_tokens",
                   "block_size_tokens")
 
@@ -63,8 +75,6 @@ class Parsed:
 
 _U64 = (1 << 64) - 1
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-INT32_MAX = 2**31 - 1
-INT64_MAX = 2**63 - 1
 
 
 def need_int(rec: Any, key: str, *, minimum: int = 0, maximum: int = INT32_MAX) -> int:
@@ -92,10 +102,27 @@ def rfc3339_ns(text: str) -> int:
 
 
 def need_number(rec: dict[str, Any], key: str) -> float:
+    """``rec[key]`` as a finite float >= 0, or a FieldError naming the key."""
     value = rec.get(key)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int | float):
         raise FieldError(key, f"expected a number >= 0, got {value!r:.40}")
-    return float(value)
+    try:
+        number = float(value)
+    except OverflowError:  # an integer past the float range
+        number = math.inf
+    if not math.isfinite(number) or number < 0:
+        raise FieldError(key, f"expected a finite number >= 0, got {value!r:.40}")
+    return number
+
+
+def seconds_ns(seconds: float, key: str, *, offset_ns: int = 0, resolution_ns: int = 1) -> int:
+    """``offset_ns`` + ``seconds`` as int ns (rounded to ``resolution_ns``), or a FieldError past int64."""
+    if seconds * 1e9 > INT64_MAX:
+        raise FieldError(key, f"{seconds:g} s is past the int64 nanosecond range (year 2262)")
+    ns = offset_ns + round(seconds * (1e9 / resolution_ns)) * resolution_ns
+    if not 0 <= ns <= INT64_MAX:
+        raise FieldError(key, f"{seconds:g} s gives a time outside the int64 nanosecond range")
+    return ns
 
 
 def need_hashes(rec: dict[str, Any], key: str) -> list[int]:
@@ -113,10 +140,9 @@ def need_hashes(rec: dict[str, Any], key: str) -> list[int]:
                 raise FieldError(key, f"element {i} does not fit 64 bits: {h}")
             out.append(h & _U64)
         elif isinstance(h, str):
-            try:
-                out.append(int(h[-16:], 16))
-            except ValueError:
-                raise FieldError(key, f"element {i} is not a hex digest: {h!r:.40}") from None
+            if not _HEX.fullmatch(h):  # int(.., 16) would also take "-1", "+1", "1_0" and spaces
+                raise FieldError(key, f"element {i} is not a hex digest: {h!r:.40}")
+            out.append(int(h[-16:].removeprefix("0x").removeprefix("0X") or "0", 16))
         else:
             raise FieldError(key, f"element {i} is not an integer or hex string: {h!r:.40}")
     return out
@@ -193,9 +219,20 @@ class ImportResult:
 
 
 def _lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
-    """(line number, stripped line, bytes consumed so far in the file on disk)."""
+    """(line number, stripped line, bytes consumed so far in the file on disk).
+
+    A line longer than MAX_LINE_BYTES is read no further than the limit (the rest is skipped
+    up to its newline) and yielded cut, so that decode_line refuses it: memory stays bounded.
+    """
     with open(path, "rb") as raw, (gzip.open(raw, "rb") if path.suffix == ".gz" else raw) as f:
-        for lineno, line in enumerate(f, start=1):
+        lineno = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+                yield lineno, line, raw.tell()  # not stripped: still past the limit for decode_line
+                continue
             yield lineno, line.strip(), raw.tell()
 
 
@@ -299,8 +336,8 @@ def _read_file(path: Path, parse: Parser, decoder: msgspec.json.Decoder[Any], co
         if not line:
             continue
         try:
-            parsed = parse(decoder.decode(line), lineno=lineno, stem=stem)
-        except (msgspec.DecodeError, FieldError) as e:
+            parsed = decode_line(parse, decoder, line, lineno=lineno, stem=stem)
+        except FieldError as e:
             _bad_line(result, path, lineno, line, e, skip_bad_lines)
             continue
         if parsed is None:
@@ -310,10 +347,51 @@ def _read_file(path: Path, parse: Parser, decoder: msgspec.json.Decoder[Any], co
         result.requests += 1
 
 
+def decode_line(parse: Parser, decoder: msgspec.json.Decoder[Any], line: bytes, *, lineno: int,
+                stem: str) -> Parsed | None:
+    """One line as a request and its blocks (None: a repeat); FieldError for a bad line."""
+    if len(line) > MAX_LINE_BYTES:
+        raise FieldError(None, f"line of {len(line):,} bytes is longer than the limit of {MAX_LINE_BYTES:,}")
+    try:
+        rec = decoder.decode(line)
+    except msgspec.DecodeError as e:
+        raise FieldError(None, f"not valid JSON ({e})") from None
+    except RecursionError:
+        raise FieldError(None, "JSON nests deeper than the decoder's recursion limit") from None
+    parsed = parse(rec, lineno=lineno, stem=stem)
+    if parsed is not None:
+        _check_rows(parsed)
+    return parsed
+
+
+_BLOCK_CHECKS = ((REQUEST_BLOCKS.column("block_hash"), "block_hashes"),
+                 (REQUEST_BLOCKS.column("content_hash"), "content_hashes"),
+                 (REQUEST_BLOCKS.column("token_hash"), "token_hashes"),
+                 (REQUEST_BLOCKS.column("block_tokens"), "block_tokens"))
+
+
+def _check_rows(p: Parsed) -> None:
+    """FieldError unless every value of the request and of its blocks fits its column."""
+    problem = row_problem(REQUESTS, p.request)
+    if problem:
+        raise FieldError(problem.split(" ", 1)[0], problem)
+    if len(p.block_tokens) != len(p.block_hashes):
+        raise FieldError("block_hashes", f"{len(p.block_hashes)} hashes for {len(p.block_tokens)} blocks")
+    for column, attr in _BLOCK_CHECKS:
+        values = getattr(p, attr)
+        if values is not None and not ints_fit(column, values):
+            bad = next(v for v in values if not fits(column, v))
+            raise FieldError(column.name,
+                             f"{bad!r:.40} does not fit request_blocks.{column.name} ({column.type})")
+    if not (fits(REQUEST_BLOCKS.column("block_size_tokens"), p.block_size_tokens)
+            and fits(REQUEST_BLOCKS.column("namespace"), p.namespace)):
+        raise FieldError("block_size", f"block size {p.block_size_tokens!r:.40} or namespace does not fit")
+
+
 def _bad_line(result: ImportResult, path: Path, lineno: int, line: bytes, err: Exception,
               skip: bool) -> None:
     field_name = err.field if isinstance(err, FieldError) else None
-    message = str(err) if isinstance(err, FieldError) else f"not valid JSON ({err})"
+    message = str(err)
     if not skip:
         raise InputError(f"{message}; fix the line or pass --skip-bad-lines",
                          path=str(path), line=lineno, field=field_name)

@@ -24,8 +24,26 @@ only moves multipart messages into a queue bounded in batches *and* bytes. The
   endpoint}}}`` as its checkpoint, written atomically with the rows. A restarted collector
   reads ``latest_checkpoint`` and asks each publisher's replay socket for what follows, so
   ``kill -9`` loses and duplicates nothing the engine still buffers.
-- Malformed frames (wrong frame count, truncated msgpack, wrong types, oversize) are
-  counted by reason, logged with their first bytes, and skipped; the sequence still advances.
+- Malformed frames (wrong frame count, truncated msgpack, wrong types, oversize, a value
+  its column cannot hold) are counted by reason, logged with their first bytes, and skipped.
+- A sequence number is trusted only from a frame that decodes: an unreadable live frame
+  moves nothing (its batch comes back through the replay, which vouches for its number, or
+  is recorded as lost). A jump forward is trusted when the publisher's replay (asked from the
+  last batch taken, so that a ring that holds anything answers with something) holds a batch
+  at or past it: vLLM's publisher fills its ring before it serves a replay, on one thread
+  (``vllm/distributed/kv_events.py``, ``ZmqEventPublisher._publisher_thread``). With no replay,
+  no answer or an empty ring, a jump is trusted when it is at most ``max_gap_batches``, or
+  when the next frame goes on from a refused one. A lower number with a newer engine time is
+  a restart only when the replay holds that very batch (a new process's ring), or, with no
+  word from a replay, by the time alone. Anything else is a stray
+  (``decode_errors{reason="stray_seq"}``): dropped, no gap, no clear, no replay of the ring.
+- One batch never stops collection: a batch is decoded all or nothing, a decoder bug costs
+  that batch (counted as ``internal``), and rows Arrow refuses are written aside to
+  ``LAKE/.quarantine/`` (counted) while the rest of their chunk is written. A lake write
+  that fails is retried with back-off, the rows kept in memory (at most
+  ``max_buffered_rows``, then the reader stops taking batches: back-pressure), and the
+  checkpoint only moves with the rows, so a restart asks the replay for whatever was not
+  written. A restart that meets the same bad batch skips it again.
 """
 
 from __future__ import annotations
@@ -40,9 +58,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+import pyarrow as pa
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from collector.quarantine import spill_rows
 from collector.vllm_events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     END_SEQ,
@@ -96,6 +116,8 @@ class CollectorOptions:
     replay_rounds: int = 8
     max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
     record: str | Path | None = None
+    max_gap_batches: int = 1 << 20  # a larger jump needs the replay (or the next frame) to confirm it
+    max_buffered_rows: int = 2_000_000  # while the lake refuses writes, batches wait in the queue past this
 
 
 def writer_id_for(sources: Sequence[Source]) -> str:
@@ -134,6 +156,9 @@ class CollectorMetrics:
         self.restarts = Counter(p + "publisher_restarts", "Publisher restarts (sequence reset)", rl,
                                 registry=r)
         self.segments = Counter(p + "segments_committed", "kv_events segments committed", registry=r)
+        self.write_errors = Counter(p + "write_errors", "Lake writes that failed (retried)", registry=r)
+        self.quarantined = Counter(p + "quarantined_rows", "Rows the lake refused, written to .quarantine",
+                                   registry=r)
         self.written_bytes = Counter(p + "written_bytes", "Bytes of committed kv_events segments", registry=r)
         self.lag = Gauge(p + "ingest_lag_seconds", "Processing time minus the engine's batch time",
                          registry=r)
@@ -167,6 +192,21 @@ class _Pub:
     last_seq: int = -1
     last_ts_ns: int = 0
     fresh: bool = True  # first contact in this run and no checkpoint: earlier batches are not "lost"
+    stray_seq: int | None = None  # the last sequence number refused as a stray
+    bad_seqs: set[int] | None = None  # live frames that did not decode (so a replayed copy counts once)
+
+    def continues_stray(self, seq: int) -> bool:
+        """Whether ``seq`` follows the last refused one: the stream goes on from it, so it was real."""
+        return self.stray_seq is not None and seq == self.stray_seq + 1
+
+    def remember_bad(self, seq: int) -> bool:
+        """Note a frame that did not decode; False when it was noted already (one frame, one count)."""
+        if self.bad_seqs is None or len(self.bad_seqs) >= 256:
+            self.bad_seqs = set()
+        if seq in self.bad_seqs:
+            return False
+        self.bad_seqs.add(seq)
+        return True
 
 
 class _ByteQueue:
@@ -257,22 +297,40 @@ class LiveCollector:
             finally:
                 self._stop.set()
                 reader.join(5)
-                self._flush(force=True)
-                if self._record:
-                    self._record.close()
+                try:
+                    self._final_flush()
+                finally:
+                    if self._record:
+                        self._record.close()
+
+    def _final_flush(self) -> None:
+        """The last commit, retried; if the lake still refuses, say what the replay will bring back."""
+        for attempt in range(4):
+            if self._flush(force=True):
+                return
+            self._stop.wait(0.5 * 2**attempt)
+        rows = len(self.cols) + self._kv.buffered_rows
+        raise OSError(f"lake {self.opt.lake} refused the last {rows:,} rows; the checkpoint was not moved, "
+                      "so the next run asks the publishers' replay for them: free the disk and restart")
 
     def _loop(self, deadline: float | None) -> None:
         last_flush = time.monotonic()
+        failures = 0
         while not self._stop.is_set() and (deadline is None or time.monotonic() < deadline):
-            item = self.queue.get(timeout=0.05)
-            if item is not None:
-                self._guarded(item)
+            rows = len(self.cols) + self._kv.buffered_rows
+            if rows < self.opt.max_buffered_rows:
+                item = self.queue.get(timeout=0.05)
+                if item is not None:
+                    self._guarded(item)
+            else:  # the lake refuses writes: let the queue fill and the publisher's ring keep the rest
+                self._stop.wait(0.05)
             self.metrics.queue_batches.set(self.queue.items)
             self.metrics.queue_bytes.set(self.queue.bytes)
             now = time.monotonic()
             rows = len(self.cols) + self._kv.buffered_rows
-            if rows >= self.opt.flush_rows or now - last_flush >= self.opt.flush_age_s:
-                self._flush()
+            wait_s = self.opt.flush_age_s if not failures else min(30.0, 0.5 * 2 ** min(failures, 6))
+            if (rows >= self.opt.flush_rows and not failures) or now - last_flush >= wait_s:
+                failures = 0 if self._flush() else failures + 1
                 last_flush = now
         # drain what the reader already queued, so a clean stop loses nothing it received
         while (item := self.queue.get(timeout=0)) is not None:
@@ -357,26 +415,40 @@ class LiveCollector:
             return
         key, replica, model = self._identify(src, topic)
         pub = self.pubs.get(key)
-        if pub is None:
+        try:
+            batch = self.decoder.read_batch(payload)
+        except DecodeError as e:  # its sequence number is not trusted: nothing moves
+            if pub is None or pub.remember_bad(seq):  # a replay may have brought (and counted) it first
+                self._bad(e, payload)
+            return
+        if pub is None:  # only a frame that decodes makes a publisher (garbage topics cost nothing)
             pub = self.pubs[key] = _Pub(key, replica, src, model)
-        if seq <= pub.last_seq and not self._restarted(pub, seq, payload, recv_ns):
-            self.metrics.duplicates.labels(replica=replica).inc()
+        if seq <= pub.last_seq and not self._restarted(pub, seq, batch[0], payload, recv_ns):
             return
         if seq > pub.last_seq + 1:
-            self._gap(pub, seq)
+            if not self._gap(pub, seq, payload):
+                return
             if seq <= pub.last_seq:  # the replay already delivered it
                 self.metrics.duplicates.labels(replica=replica).inc()
                 return
-        self._accept(pub, seq, payload, recv_ns)
+        self._accept(pub, seq, batch, len(payload), recv_ns)
 
-    def _restarted(self, pub: _Pub, seq: int, payload: bytes, recv_ns: int) -> bool:
-        """A lower seq with a newer engine time than the last batch is a new publisher process."""
-        try:
-            ts_ns = self.decoder.read_batch(payload)[0]
-        except DecodeError:
-            return seq == 0  # unreadable: only a reset to 0 is taken as a restart
+    def _stray(self, pub: _Pub, seq: int, payload: bytes, why: str) -> None:
+        pub.stray_seq = seq
+        self.metrics.decode_errors.labels(reason="stray_seq").inc()
+        log.warning("publisher %s: dropped a frame with seq %d after %d (%s); starts %r", pub.key, seq,
+                    pub.last_seq, why, bytes(payload[:32]))
+
+    def _restarted(self, pub: _Pub, seq: int, ts_ns: int, payload: bytes, recv_ns: int) -> bool:
+        """A lower seq with a newer engine time than the last batch is a new publisher process, when
+        the replay holds that batch (or has no answer); else a duplicate or a stray (counted)."""
         if ts_ns <= pub.last_ts_ns:
+            self.metrics.duplicates.labels(replica=pub.replica).inc()
             return False
+        if self._replay_holds(pub, seq, payload) is False:
+            self._stray(pub, seq, payload, "the publisher's replay does not hold it: not a restart")
+            return False
+        pub.stray_seq = None
         log.warning("publisher %s restarted (seq %d after %d): recording a clear", pub.key, seq, pub.last_seq)
         self.metrics.restarts.labels(replica=pub.replica).inc()
         # The old cache vanished between the old process's last batch and this one; the new
@@ -384,7 +456,7 @@ class LiveCollector:
         # earliest moment. (A request the old engine served wholly from cache after its last
         # batch published nothing, and reads as a miss: the price of not knowing the moment.)
         self._cleared_row(pub, seq, pub.last_ts_ns + 1 if pub.last_ts_ns else ts_ns, recv_ns)
-        pub.last_seq, pub.fresh = -1, False
+        pub.last_seq, pub.fresh, pub.bad_seqs = -1, False, None
         return True
 
     def _cleared_row(self, pub: _Pub, seq: int, ts_ns: int, recv_ns: int) -> None:
@@ -393,15 +465,28 @@ class LiveCollector:
                       namespace=pub.model)
         self.metrics.events.labels(replica=pub.replica, kind=EventKind.CLEARED.value).inc()
 
-    def _gap(self, pub: _Pub, seq: int) -> None:
-        start = pub.last_seq + 1
-        if not pub.fresh:
-            self.metrics.gaps.labels(replica=pub.replica).inc()
+    def _gap(self, pub: _Pub, seq: int, payload: bytes) -> bool:
+        """Fill a jump to ``seq`` from the replay; False when ``seq`` is a stray (dropped, counted)."""
+        start, fresh = pub.last_seq + 1, pub.fresh
+        newest = None
         if self.opt.sources[pub.source].replay:
-            self._replay(pub, start, reason="gap", upto=seq - 1)
+            newest = self._replay(pub, start, reason="gap", upto=seq - 1)
+        if newest is not None and newest >= 0:  # the replay answered from its ring: its word is final
+            trusted = newest >= seq
+        else:  # no replay, no answer, or an empty ring: a plausible jump, or one the stream goes on from
+            trusted = seq - start <= self.opt.max_gap_batches or pub.continues_stray(seq)
+        if not trusted:
+            why = (f"the publisher's replay holds nothing past {newest}" if newest is not None and newest >= 0
+                   else f"a jump of {seq - start:,} batches, past max_gap_batches, with no replay to ask")
+            self._stray(pub, seq, payload, why)
+            return False
+        pub.stray_seq = None
+        if not fresh:
+            self.metrics.gaps.labels(replica=pub.replica).inc()
         if pub.last_seq < seq - 1:
             self._lost(pub, pub.last_seq + 1, seq - 1)
             pub.last_seq = seq - 1
+        return True
 
     def _lost(self, pub: _Pub, first: int, last: int) -> None:
         n = last - first + 1
@@ -417,16 +502,18 @@ class LiveCollector:
                                          ("to_seq", str(last))], "value": float(n)})
         self._dirty = True
 
-    def _accept(self, pub: _Pub, seq: int, payload: bytes, recv_ns: int) -> None:
+    def _accept(self, pub: _Pub, seq: int, batch: tuple[int, list[Any], int | None], nbytes: int,
+                recv_ns: int) -> None:
         pub.last_seq, pub.fresh, self._dirty = seq, False, True
         m = self.metrics
         m.batches.labels(replica=pub.replica).inc()
-        m.received_bytes.inc(len(payload))
+        m.received_bytes.inc(nbytes)
         try:
-            info = self.decoder.decode(payload, self.cols, replica=pub.replica, seq=seq, recv_ns=recv_ns,
-                                       namespace=pub.model)
-        except DecodeError as e:
-            self._bad(e, payload)
+            info = self.decoder.decode_batch(batch, self.cols, replica=pub.replica, seq=seq, recv_ns=recv_ns,
+                                             namespace=pub.model)
+        except Exception as e:  # a decoder bug: none of the batch's rows were kept; the sequence moves on
+            m.decode_errors.labels(reason="internal").inc()
+            log.exception("%s seq %d: skipped a batch the decoder failed on: %s", pub.key, seq, e)
             return
         pub.last_ts_ns = max(pub.last_ts_ns, info.ts_ns)
         m.lag.set(max(0.0, (self.clock_ns() - info.ts_ns) / 1e9))
@@ -438,7 +525,28 @@ class LiveCollector:
             log.warning("%s seq %d: skipped %d bad events (%s)", pub.key, seq, len(info.bad_events),
                         ", ".join(sorted(set(info.bad_events))))
         if len(self.cols) >= _ARROW_CHUNK_ROWS:
-            self._kv.append_arrow(self.cols.take_arrow())
+            self._take_rows()
+
+    def _accept_replayed(self, pub: _Pub, seq: int, payload: bytes) -> None:
+        try:
+            batch = self.decoder.read_batch(payload)
+        except DecodeError as e:  # the publisher's own replay vouches for the number: move past the batch
+            pub.last_seq, pub.fresh, self._dirty = seq, False, True
+            if pub.remember_bad(seq):
+                self._bad(e, payload)
+            return
+        self._accept(pub, seq, batch, len(payload), self.clock_ns())
+
+    def _take_rows(self) -> None:
+        """Move the decoded rows to the lake writer; rows Arrow refuses go to the quarantine."""
+        try:
+            table = self.cols.take_arrow()
+        except (pa.ArrowException, OverflowError, TypeError, ValueError) as e:
+            table, refused = self.cols.take_arrow_salvaged()
+            path = spill_rows(self.opt.lake, self.writer_id, "kv_events", refused, str(e))
+            self.metrics.quarantined.inc(len(refused))
+            log.error("%d kv_events rows the lake cannot hold (%s) were written to %s", len(refused), e, path)
+        self._kv.append_arrow(table)
 
     def _bad(self, err: DecodeError, data: bytes) -> None:
         self.metrics.decode_errors.labels(reason=err.reason).inc()
@@ -446,22 +554,31 @@ class LiveCollector:
 
     # -- replay ----------------------------------------------------------------------------
 
-    def _replay(self, pub: _Pub, start: int, *, reason: str, upto: int | None = None) -> None:
-        """Ask the publisher's ROUTER for ``start``..; rounds repeat after a hole mid-stream."""
+    def _replay(self, pub: _Pub, start: int, *, reason: str, upto: int | None = None) -> int | None:
+        """Ask the publisher's ROUTER for ``start``..; rounds repeat after a hole mid-stream. Returns
+        the newest sequence number the publisher holds (-1: none), or None when it did not answer."""
         endpoint = self.opt.sources[pub.source].replay
         assert endpoint
+        newest: int | None = None
         for _ in range(self.opt.replay_rounds):
             self.metrics.replay_requests.labels(replica=pub.replica).inc()
             before = pub.last_seq
-            complete = self._replay_round(pub, endpoint, pub.last_seq + 1)
+            # from the last batch taken, not the next: a ring that still holds it answers with at
+            # least that one, so an answer with nothing newer says the jump is not real
+            complete, held = self._replay_round(pub, endpoint, max(0, pub.last_seq))
+            if held is not None:
+                newest = held if newest is None else max(newest, held)
             if complete or pub.last_seq == before or (upto is not None and pub.last_seq >= upto):
                 break
         log.info("replay (%s) for %s from %d: now at %d", reason, pub.key, start, pub.last_seq)
+        return newest
 
-    def _replay_round(self, pub: _Pub, endpoint: str, start: int) -> bool:
-        """One request; True when it ended cleanly (no hole after the first reply)."""
+    def _replay_round(self, pub: _Pub, endpoint: str, start: int) -> tuple[bool, int | None]:
+        """One request: (ended cleanly, with no hole after the first reply; the newest seq seen,
+        -1 for an answer with none, None for no answer)."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        newest: int | None = None
         try:
             sock.connect(endpoint)
             sock.send_multipart([b"", start.to_bytes(8, "big")])
@@ -469,26 +586,50 @@ class LiveCollector:
             timeout_ms = int(self.opt.replay_timeout_s * 1000)
             while sock.poll(timeout_ms):
                 frames = sock.recv_multipart()
+                newest = -1 if newest is None else newest
                 parsed = _replay_reply(frames)
                 if parsed is None:
-                    return True
+                    return True, newest
                 seq, payload = parsed
+                newest = max(newest, seq)
                 if self._record:
                     self._record.write(capture_line([b"", seq.to_bytes(8, "big"), payload]))
                 if seq <= pub.last_seq:
                     continue
                 if seq > pub.last_seq + 1:
                     if not first:
-                        return False  # dropped on the way (HWM): ask again from last+1
+                        return False, newest  # dropped on the way (HWM): ask again from last+1
                     self._lost(pub, pub.last_seq + 1, seq - 1)
                 first = False
                 self.metrics.replayed.labels(replica=pub.replica).inc()
-                self._accept(pub, seq, payload, self.clock_ns())
+                self._accept_replayed(pub, seq, payload)
             log.warning("replay from %s timed out after %.1f s", endpoint, self.opt.replay_timeout_s)
-            return True
+            return True, newest
         except zmq.ZMQError as e:
             log.warning("replay from %s failed: %s", endpoint, e)
-            return True
+            return True, newest
+        finally:
+            sock.close(0)
+
+    def _replay_holds(self, pub: _Pub, seq: int, payload: bytes) -> bool | None:
+        """Whether the publisher's replay holds exactly this batch at ``seq``; None without an answer
+        (or with an empty ring)."""
+        endpoint = self.opt.sources[pub.source].replay
+        if not endpoint:
+            return None
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        try:
+            sock.connect(endpoint)
+            sock.send_multipart([b"", seq.to_bytes(8, "big")])
+            if not sock.poll(int(self.opt.replay_timeout_s * 1000)):
+                return None
+            first = _replay_reply(sock.recv_multipart())
+            # nothing at or past seq: an empty ring (the publisher keeps none), which tells nothing
+            return None if first is None else first == (seq, payload)
+        except zmq.ZMQError as e:
+            log.warning("replay from %s failed: %s", endpoint, e)
+            return None
         finally:
             sock.close(0)
 
@@ -500,23 +641,34 @@ class LiveCollector:
                 "endpoint": self.opt.sources[p.source].endpoint}
             for k, p in self.pubs.items() if p.last_seq >= 0}}
 
-    def _flush(self, force: bool = False) -> None:
+    def _flush(self, force: bool = False) -> bool:
+        """Commit what is buffered with its checkpoint; False when the lake refused (rows kept)."""
         if not self._dirty and not len(self.cols) and not force:
-            return
-        if self.gap_rows:
-            self._gaps.append_rows(self.gap_rows)
-            self.gap_rows = []
-            # before the kv checkpoint: a crash in between may repeat a gap row, never lose one
-            self._gaps.flush()
-        if len(self.cols):
-            self._kv.append_arrow(self.cols.take_arrow())
-        if self._dirty or self._kv.buffered_rows:
-            before = self._kv.segments_written
-            self._kv.flush(self.checkpoint())
-            self.metrics.segments.inc(self._kv.segments_written - before)
-            self.metrics.written_bytes.inc(self._kv.written_bytes - self._bytes_seen)
-            self._bytes_seen = self._kv.written_bytes
+            return True
+        try:
+            if self.gap_rows:
+                self._gaps.append_rows(self.gap_rows)
+                self.gap_rows = []
+            if self._gaps.buffered_rows:
+                # before the kv checkpoint: a crash in between may repeat a gap row, never lose one
+                self._gaps.flush()
+            if len(self.cols):
+                self._take_rows()
+            if self._dirty or self._kv.buffered_rows:
+                before = self._kv.segments_written
+                try:
+                    self._kv.flush(self.checkpoint())
+                finally:
+                    self.metrics.segments.inc(self._kv.segments_written - before)
+                    self.metrics.written_bytes.inc(self._kv.written_bytes - self._bytes_seen)
+                    self._bytes_seen = self._kv.written_bytes
+        except OSError as e:
+            self.metrics.write_errors.inc()
+            log.error("lake write failed (%s): %d rows kept in memory, retrying", e,
+                      self._kv.buffered_rows + len(self.cols))
+            return False
         self._dirty = False
+        return True
 
 
 def _replay_reply(frames: list[bytes]) -> tuple[int, bytes] | None:

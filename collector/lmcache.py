@@ -33,7 +33,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.importer import FieldError, Parsed, Parser, need_int, need_number, opt_str, tail_tokens
+from collector.importer import (
+    FieldError,
+    Parsed,
+    Parser,
+    need_int,
+    need_number,
+    opt_str,
+    seconds_ns,
+    tail_tokens,
+)
 
 __all__ = ["parser"]
 
@@ -71,7 +80,7 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
         chunk = need_int(rec, "chunk_size", minimum=1)
         seq_len = need_int(rec, "seq_len")
         # A float of epoch seconds carries about a microsecond: round there, not to float noise.
-        ts_ns = round(need_number(rec, "timestamp") * 1e6) * 1000
+        ts_ns = seconds_ns(need_number(rec, "timestamp"), "timestamp", resolution_ns=1000)
         rid = opt_str(rec, "request_id") or f"{stem}:{lineno:07d}"
         name = model or opt_str(rec, "model_name") or "lmcache"
         hashes = _hex_hashes(rec)

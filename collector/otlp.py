@@ -17,7 +17,15 @@ vLLM (``--otlp-traces-endpoint``) emits one ``llm_request`` span per finished re
   ``host.name``, else ``service.name``.
 
 Other spans (vLLM's load-time spans, anything else a pipeline forwards) are counted in
-``SpanBatch.other_spans``, never an error. OTLP JSON follows the OTLP/HTTP JSON mapping:
+``SpanBatch.other_spans``, never an error.
+
+An ``llm_request`` span whose values its row cannot hold is a **bad span** (counted in
+``SpanBatch.bad_spans``, its reason kept in ``bad_reasons``), never a row: no request id; a
+start or end past int64 nanoseconds (the proto's times are uint64); a latency that is
+negative, or a first token past int64 nanoseconds (a TTFT of 1e10 s); a token count that is
+not an integer in [0, 2**31). A latency that is NaN or infinite is unknown (NULL), as the
+OTLP JSON mapping writes an unset double. Nesting deeper than the decoder's recursion limit
+is an OtlpDecodeError. OTLP JSON follows the OTLP/HTTP JSON mapping:
 camelCase keys (snake_case also accepted), 64-bit integers as strings or numbers, ids as hex.
 """
 
@@ -37,6 +45,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 
 from kvlens.errors import InputError
 from kvlens.lake import SegmentWriter
+from kvlens.limits import INT32_MAX, INT64_MAX
 
 __all__ = [
     "LLM_REQUEST_SPAN",
@@ -61,7 +70,8 @@ _RESPONSE_MODEL = "gen_ai.response.model"
 _REQUEST_MODEL = "gen_ai.request.model"
 _WANTED = frozenset({_ID, _TTFT, _QUEUE, _PREFILL, _PROMPT, _COMPLETION, _RESPONSE_MODEL, _REQUEST_MODEL})
 _REPLICA_KEYS = ("service.instance.id", "host.name", "service.name")
-_INT32_MAX = 2**31 - 1
+_MAX_BAD_REASONS = 5
+_MAX_SECONDS = 1e10  # 317 years: past it a latency is not one (and its nanoseconds pass 2**63)
 
 
 class OtlpDecodeError(ValueError):
@@ -74,7 +84,8 @@ class SpanBatch:
 
     rows: list[dict[str, Any]] = field(default_factory=list)
     other_spans: int = 0
-    bad_spans: int = 0  # llm_request spans without a request id or with a value of the wrong type
+    bad_spans: int = 0  # llm_request spans without a request id or with a value their row cannot hold
+    bad_reasons: list[str] = field(default_factory=list)  # the first few, for the log
 
     @property
     def spans(self) -> int:
@@ -94,37 +105,63 @@ def _replica(resource: Mapping[str, Any], configured: str | None) -> str | None:
     return None
 
 
-def _seconds_ms(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+class _BadSpan(ValueError):
+    """An llm_request span that cannot be a row; the message says which value and why."""
+
+
+def _seconds_ms(attrs: Mapping[str, Any], key: str) -> float | None:
+    value = attrs.get(key)
+    if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _BadSpan(f"{key} is a {type(value).__name__}, expected seconds")
+    if not math.isfinite(value):
+        return None  # the JSON mapping's "NaN": unknown
+    if not 0 <= value <= _MAX_SECONDS:
+        raise _BadSpan(f"{key} = {value!r} s is not a latency")
     return float(value) * 1000.0
 
 
-def _tokens(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _INT32_MAX:
+def _tokens(attrs: Mapping[str, Any], key: str) -> int | None:
+    value = attrs.get(key)
+    if value is None:
         return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= INT32_MAX:
+        raise _BadSpan(f"{key} = {value!r:.40} is not a token count in [0, 2**31)")
     return value
 
 
+def _time_ns(value: int, what: str) -> int | None:
+    if not 0 <= value <= INT64_MAX:
+        raise _BadSpan(f"{what} {value} is outside int64 nanoseconds since the epoch")
+    return value or None
+
+
 def _request_row(attrs: Mapping[str, Any], start_ns: int, end_ns: int, replica: str | None,
-                 model: str | None) -> dict[str, Any] | None:
+                 model: str | None) -> dict[str, Any]:
     rid = attrs.get(_ID)
     if not isinstance(rid, str) or not rid:
-        return None
-    ttft_ms = _seconds_ms(attrs.get(_TTFT))
+        raise _BadSpan(f"no {_ID}")
+    arrival, end = _time_ns(start_ns, "start"), _time_ns(end_ns, "end")
+    ttft_ms = _seconds_ms(attrs, _TTFT)
+    first = None
+    if arrival and ttft_ms is not None:
+        first = arrival + round(ttft_ms * 1e6)  # below 2**63 + 1e19: _MAX_SECONDS bounds the TTFT
+        if first > INT64_MAX:
+            raise _BadSpan(f"first token {ttft_ms / 1000:g} s after the start is past int64 nanoseconds")
     span_model = attrs.get(_RESPONSE_MODEL) or attrs.get(_REQUEST_MODEL)
     return {
         "request_id": rid,
-        "arrival_ns": start_ns or None,
-        "first_token_ns": start_ns + round(ttft_ms * 1e6) if start_ns and ttft_ms is not None else None,
-        "end_ns": end_ns or None,
+        "arrival_ns": arrival,
+        "first_token_ns": first,
+        "end_ns": end,
         "replica": replica,
         "model": span_model if isinstance(span_model, str) and span_model else model,
-        "prompt_tokens": _tokens(attrs.get(_PROMPT)),
-        "output_tokens": _tokens(attrs.get(_COMPLETION)),
+        "prompt_tokens": _tokens(attrs, _PROMPT),
+        "output_tokens": _tokens(attrs, _COMPLETION),
         "ttft_ms": ttft_ms,
-        "queue_ms": _seconds_ms(attrs.get(_QUEUE)),
-        "prefill_ms": _seconds_ms(attrs.get(_PREFILL)),
+        "queue_ms": _seconds_ms(attrs, _QUEUE),
+        "prefill_ms": _seconds_ms(attrs, _PREFILL),
         "source": "otlp",
     }
 
@@ -134,11 +171,12 @@ def _add_span(out: SpanBatch, name: str, attrs: Mapping[str, Any], start_ns: int
     if name != LLM_REQUEST_SPAN:
         out.other_spans += 1
         return
-    row = _request_row(attrs, start_ns, end_ns, replica, model)
-    if row is None:
+    try:
+        out.rows.append(_request_row(attrs, start_ns, end_ns, replica, model))
+    except _BadSpan as e:
         out.bad_spans += 1
-    else:
-        out.rows.append(row)
+        if len(out.bad_reasons) < _MAX_BAD_REASONS:
+            out.bad_reasons.append(str(e))
 
 
 # -- protobuf -------------------------------------------------------------------------------
@@ -156,12 +194,13 @@ def _pb_attrs(attributes: Iterable[Any], wanted: frozenset[str]) -> dict[str, An
     return out
 
 
-def parse_otlp_protobuf(body: bytes, *, replica: str | None = None, model: str | None = None) -> SpanBatch:
+def parse_otlp_protobuf(body: bytes | bytearray, *, replica: str | None = None,
+                        model: str | None = None) -> SpanBatch:
     """Rows from a protobuf ``ExportTraceServiceRequest``; OtlpDecodeError when it is not one."""
     msg = ExportTraceServiceRequest()
     try:
         msg.ParseFromString(body)
-    except (_PbDecodeError, RuntimeError, ValueError) as e:
+    except (_PbDecodeError, RuntimeError, ValueError) as e:  # RecursionError is a RuntimeError
         raise OtlpDecodeError(f"not a protobuf ExportTraceServiceRequest: {e}") from None
     out = SpanBatch()
     for rs in msg.resource_spans:
@@ -235,6 +274,8 @@ def parse_otlp_json(data: bytes | Any, *, replica: str | None = None, model: str
             data = msgspec.json.decode(data)
         except msgspec.DecodeError as e:
             raise OtlpDecodeError(f"not valid JSON: {e}") from None
+        except RecursionError:
+            raise OtlpDecodeError("JSON nests deeper than the decoder's recursion limit") from None
     if not isinstance(data, dict):
         raise OtlpDecodeError(f"expected a JSON object (ExportTraceServiceRequest), "
                               f"got {type(data).__name__}")

@@ -12,21 +12,39 @@ appends them to a ``SegmentWriter`` (scenario ``live``) that commits a segment a
   stops at the limit, uncompressed (a gzip bomb costs at most the limit in memory);
 - 415 for a Content-Type other than ``application/x-protobuf`` / ``application/json``, or a
   Content-Encoding other than gzip or deflate (what OTLP exporters send); 404 for other
-  paths; 503 (retryable, ``Retry-After``) while the queue stays full or the receiver is shutting down.
+  paths; 503 (retryable, ``Retry-After``) while the queue stays full, the memory budget is
+  spent, or the receiver is shutting down; 500 for a body the decoder failed on (a bug: logged
+  with its first bytes, counted, and the receiver goes on).
 
-``GET /metrics`` serves the receiver's own counters. ``stop()`` refuses new bodies, waits
-for those in flight, drains the queue and commits: a clean shutdown loses nothing accepted.
+Bounded memory: bodies read and inflated, of all requests together, hold at most
+``memory_budget_bytes``: a request reserves its body and, when compressed, the most it may
+inflate to, in one step before it reads, and gives back what it did not use; one that cannot
+reserve in ``put_timeout_s`` gets 503. So 32 concurrent gzip bombs cost the
+budget, not 32 times the body limit. The listen backlog is ``listen_backlog`` (the stdlib's 5
+made 500 quick connections wait seconds each).
+
+A body answered with an error before it was read is still read (a Content-Length body up to
+16 MiB, a chunked body up to the same, by its framing) and any connection closed with unread
+bytes is closed gracefully (half-closed, then drained for a bounded time), so a client still
+sending reads its status instead of a broken pipe or a reset. A client that hangs up is logged
+at debug level, never a traceback.
+
+The writer thread survives any single batch: rows the lake cannot hold are written aside to
+``LAKE/.quarantine/`` (counted) and the rest of their batch is written; a lake write that fails
+is retried with back-off, the rows kept (at most ``max_buffered_rows``; past it the queue fills
+and clients get 503, which OTLP exporters retry). ``GET /metrics`` serves the receiver's own
+counters. ``stop()`` refuses new bodies, waits for those in flight, drains the queue and
+commits (or, if the lake still refuses, spills the rows to the quarantine): a clean shutdown
+loses nothing accepted.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import re
 import socket
 import threading
 import time
-import zlib
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -35,8 +53,19 @@ from typing import Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
 from collector.otlp import OtlpDecodeError, SpanBatch, parse_otlp_json, parse_otlp_protobuf
+from collector.otlp_http import (
+    _JSON,
+    _PROTOBUF,
+    _Budget,
+    _CountingReader,
+    _drain,
+    _Grant,
+    _HttpError,
+    _status_body,
+    inflate_bounded,
+)
+from collector.otlp_writer import RowWriter
 from kvlens.errors import ConfigError
-from kvlens.lake import SegmentWriter
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES", "OtlpReceiver", "ReceiverMetrics", "ReceiverOptions", "inflate_bounded",
@@ -46,9 +75,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
-_PROTOBUF, _JSON = "application/x-protobuf", "application/json"
-_STOP = object()
-_APPEND_ROWS = 8192
 
 
 @dataclass
@@ -64,6 +90,9 @@ class ReceiverOptions:
     flush_age_s: float = 5.0
     queue_batches: int = 1024
     put_timeout_s: float = 5.0
+    memory_budget_bytes: int | None = None  # bodies in memory, all requests: default 4 x max_body_bytes
+    listen_backlog: int = 1024
+    max_buffered_rows: int = 1_000_000  # while the lake refuses writes; past it the queue fills (503)
 
 
 def parse_listen(text: str) -> tuple[str, int]:
@@ -90,6 +119,13 @@ class ReceiverMetrics:
                                       registry=r)
         self.rows_written = Counter(p + "written_rows", "requests rows committed to the lake", registry=r)
         self.queue_batches = Gauge(p + "queue_batches", "Bodies waiting for the writer", registry=r)
+        self.write_errors = Counter(p + "write_errors", "Lake writes that failed (retried)", registry=r)
+        self.quarantined = Counter(p + "quarantined_rows", "Rows the lake refused, written to .quarantine",
+                                   registry=r)
+        self.internal_errors = Counter(p + "internal_errors", "Bodies or batches a bug failed on (skipped)",
+                                       registry=r)
+        self.budget_bytes = Gauge(p + "body_memory_bytes", "Body bytes held by requests in progress",
+                                  registry=r)
 
     def value(self, name: str, **labels: str) -> float:
         """A sample's current value (tests, logs); 0 when it was never set."""
@@ -97,50 +133,10 @@ class ReceiverMetrics:
         return 0.0 if v is None else v
 
 
-class _HttpError(Exception):
-    def __init__(self, status: int, message: str, *, close: bool = False) -> None:
-        super().__init__(message)
-        self.status, self.close = status, close
-
-
-def inflate_bounded(data: bytes, limit_bytes: int, *, encoding: str = "gzip") -> bytes:
-    """Gunzip (all members) or inflate (``deflate``: zlib) to at most ``limit_bytes``; _HttpError 413/400."""
-    wbits = 16 + zlib.MAX_WBITS if encoding == "gzip" else zlib.MAX_WBITS
-    out: list[bytes] = []
-    total = 0
-    while data:
-        d = zlib.decompressobj(wbits)
-        try:
-            chunk = d.decompress(data, limit_bytes - total + 1)
-        except zlib.error as e:
-            raise _HttpError(400, f"broken {encoding} body: {e}") from None
-        total += len(chunk)
-        if total > limit_bytes:
-            raise _HttpError(413, f"body inflates past the limit of {limit_bytes} bytes")
-        if not d.eof or (d.unused_data and encoding != "gzip"):
-            raise _HttpError(400, f"truncated or trailing data in the {encoding} body")
-        out.append(chunk)
-        data = d.unused_data
-    return b"".join(out)
-
-
-def _status_body(content_type: str, message: str) -> bytes:
-    """A ``google.rpc.Status`` (code 3, INVALID_ARGUMENT) in the request's encoding."""
-    if content_type == _JSON:
-        import json
-
-        return json.dumps({"code": 3, "message": message}).encode()
-    msg = message.encode()[:4096]
-    return b"\x08\x03\x12" + _varint(len(msg)) + msg
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+# Exceptions of a client that went away mid-request: logged at debug level, never a traceback.
+_HANGUPS = (ConnectionError, TimeoutError, socket.timeout)
+_LINGER_S = 2.0  # how long a closing connection is drained of what the client still sends
+_LINGER_BYTES = 64 << 20
 
 
 class _Server(ThreadingHTTPServer):
@@ -151,7 +147,34 @@ class _Server(ThreadingHTTPServer):
         if ":" in address[0]:
             self.address_family = socket.AF_INET6
         self.receiver = receiver
+        self.request_queue_size = receiver.opt.listen_backlog
         super().__init__(address, handler)
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        import sys
+
+        exc = sys.exc_info()[1]
+        if isinstance(exc, _HANGUPS):
+            log.debug("OTLP client %s went away: %s", client_address, exc)
+            return
+        self.receiver.metrics.internal_errors.inc()
+        log.error("OTLP connection from %s failed", client_address, exc_info=exc)
+
+    def shutdown_request(self, request: Any) -> None:
+        """Close gracefully: send FIN, drain what the client still sends (bounded), then close; a
+        plain close with unread bytes would reset the connection under the client's last write."""
+        try:
+            request.shutdown(socket.SHUT_WR)
+            request.settimeout(0.2)
+            deadline, drained = time.monotonic() + _LINGER_S, 0
+            while time.monotonic() < deadline and drained < _LINGER_BYTES:
+                data = request.recv(1 << 16)
+                if not data:
+                    break
+                drained += len(data)
+        except OSError:
+            pass
+        self.close_request(request)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -172,19 +195,33 @@ class _Handler(BaseHTTPRequestHandler):
         rec = self.server.receiver
         content_type = (self.headers.get("Content-Type") or "").split(";", 1)[0].strip().lower()
         reader = _CountingReader(self.rfile)
+        grant = _Grant(rec.budget, rec.opt.put_timeout_s)
         try:
-            status, body = rec.handle_post(self.path, content_type, self.headers, reader)
+            status, body = rec.handle_post(self.path, content_type, self.headers, reader, grant)
         except _HttpError as e:
+            grant.release()
             if not _drain(reader, self.headers):
                 e.close = True
             rec.metrics.responses.labels(str(e.status)).inc()
-            log.info("OTLP %s from %s: %s", e.status, self.address_string(), e)
+            log.info("OTLP %s from %s: %s; body starts %r", e.status, self.address_string(), e, reader.head)
             body_type = content_type if content_type in (_PROTOBUF, _JSON) else "text/plain"
             payload = (str(e).encode() + b"\n" if body_type == "text/plain"
                        else _status_body(body_type, str(e)))
             self._send(e.status, payload, body_type, close=e.close,
                        extra={"Retry-After": "1"} if e.status == 503 else None)
             return
+        except _HANGUPS:
+            grant.release()
+            raise
+        except Exception as e:  # a bug on this body: count it, log its first bytes, answer, go on
+            grant.release()
+            rec.metrics.internal_errors.inc()
+            rec.metrics.responses.labels("500").inc()
+            log.exception("OTLP body from %s failed the decoder (%s); body starts %r", self.address_string(),
+                          e, reader.head)
+            self._send(500, b"internal error on this body; it was not stored\n", "text/plain", close=True)
+            return
+        grant.release()
         rec.metrics.responses.labels(str(status)).inc()
         self._send(status, body, content_type)
 
@@ -202,54 +239,20 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-# An error answered before the body was read still reads (and drops) up to this much of it, so
-# that a client still writing its body reads the status instead of a broken pipe; a larger
-# declared body is refused with the connection closed.
-_DRAIN_MAX_BYTES = 16 << 20
-
-
-class _CountingReader:
-    """The request body stream, counting what the handler has read."""
-
-    def __init__(self, raw: Any) -> None:
-        self.raw, self.count = raw, 0
-
-    def read(self, n: int = -1) -> bytes:
-        data: bytes = self.raw.read(n)
-        self.count += len(data)
-        return data
-
-
-def _drain(reader: _CountingReader, headers: Any) -> bool:
-    """Read and drop the unread rest of a declared body; False when that is not possible."""
-    try:
-        rest = int(headers.get("Content-Length", "")) - reader.count
-    except ValueError:
-        return False
-    if rest < 0 or rest > _DRAIN_MAX_BYTES:
-        return False
-    while rest > 0:
-        chunk = reader.raw.read(min(rest, 1 << 16))
-        if not chunk:
-            return False
-        rest -= len(chunk)
-    return True
-
-
 class OtlpReceiver:
     """An OTLP/HTTP trace receiver writing ``requests`` rows; ``start``/``stop`` or a ``with`` block."""
 
     def __init__(self, options: ReceiverOptions, *, metrics: ReceiverMetrics | None = None) -> None:
         self.opt = options
         self.metrics = metrics or ReceiverMetrics()
-        self.queue: queue.Queue[Any] = queue.Queue(options.queue_batches)
+        budget = options.memory_budget_bytes or 4 * options.max_body_bytes
+        self.budget = _Budget(max(budget, options.max_body_bytes), self.metrics)
         self._lock = threading.Lock()
         self._inflight = 0
         self._closing = False
         self._server: _Server | None = None
-        self._threads: list[threading.Thread] = []
-        self.writer_error: BaseException | None = None
-        self._rows_counted = 0
+        self._http: threading.Thread | None = None
+        self._writer: RowWriter | None = None
         self.writer_id = options.writer_id or f"otlp-{options.host}_{options.port}".replace(":", "_")
 
     @property
@@ -259,27 +262,33 @@ class OtlpReceiver:
         host, port = self._server.server_address[:2]
         return str(host), int(port)
 
+    @property
+    def writer_error(self) -> BaseException | None:
+        """Set when the last commit could neither be written nor spilled (then stop() raises it)."""
+        return self._writer.error if self._writer else None
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> OtlpReceiver:
         o = self.opt
-        writer = SegmentWriter(o.lake, "requests", scenario=o.scenario, writer_id=self.writer_id,
-                               flush_rows=1 << 62, flush_age_s=o.flush_age_s)
+        writer = RowWriter(o.lake, scenario=o.scenario, writer_id=self.writer_id, flush_age_s=o.flush_age_s,
+                           queue_batches=o.queue_batches, max_buffered_rows=o.max_buffered_rows,
+                           metrics=self.metrics)
         try:
             self._server = _Server((o.host, o.port), _Handler, self)
         except OSError as e:
             raise ConfigError(f"cannot listen on {o.host}:{o.port} ({e}): pick a free port") from None
-        self._threads = [threading.Thread(target=self._write_loop, args=(writer,), name="kvlens-otlp-writer"),
-                         threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
-                                          name="kvlens-otlp-http", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._writer = writer
+        writer.start()
+        self._http = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.1},
+                                      name="kvlens-otlp-http", daemon=True)
+        self._http.start()
         log.info("OTLP receiver on http://%s:%d/v1/traces -> %s", *self.address, o.lake)
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Refuse new bodies, finish those in flight, drain the queue, commit."""
-        if self._server is None:
+        if self._server is None or self._writer is None:
             return
         with self._lock:
             self._closing = True
@@ -287,10 +296,9 @@ class OtlpReceiver:
         deadline = time.monotonic() + timeout_s
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.01)
-        if self._threads[0].is_alive():
-            self.queue.put(_STOP, timeout=max(0.1, deadline - time.monotonic()))
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        self._writer.stop(max(0.1, deadline - time.monotonic()))
+        if self._http is not None:
+            self._http.join(max(0.0, deadline - time.monotonic()))
         self._server.server_close()
         self._server = None
         if self.writer_error is not None:
@@ -313,8 +321,10 @@ class OtlpReceiver:
 
     # -- one request -------------------------------------------------------------------------
 
-    def handle_post(self, path: str, content_type: str, headers: Any, rfile: Any) -> tuple[int, bytes]:
+    def handle_post(self, path: str, content_type: str, headers: Any, rfile: Any,
+                    grant: _Grant | None = None) -> tuple[int, bytes]:
         """Read, decode and enqueue one body: (status, response body), or _HttpError."""
+        grant = grant or _Grant(None, 0.0)
         if path.split("?", 1)[0] != "/v1/traces":
             raise _HttpError(404, f"no such path {path!r}: OTLP traces go to /v1/traces", close=True)
         if content_type not in (_PROTOBUF, _JSON):
@@ -324,14 +334,20 @@ class OtlpReceiver:
         if encoding not in ("gzip", "deflate", "identity"):
             raise _HttpError(415, f"unsupported Content-Encoding {encoding!r}: send gzip, deflate or none",
                              close=True)
-        body = self._read_body(headers, rfile)
-        if encoding != "identity":
+        # One reservation, taken before anything is held (no request waits while holding, so no
+        # deadlock): the body, and for a compressed one what it may inflate to; the unused part
+        # goes back once it has inflated.
+        inflating = encoding != "identity"
+        body: bytes | bytearray = self._read_body(headers, rfile, grant,
+                                                  self.opt.max_body_bytes if inflating else 0)
+        if inflating:
             body = inflate_bounded(body, self.opt.max_body_bytes, encoding=encoding)
+            grant.keep(grant.held - self.opt.max_body_bytes + len(body))
         batch = self._decode(body, content_type)
         self._enqueue(batch)
         return 200, (b"{}" if content_type == _JSON else b"")
 
-    def _read_body(self, headers: Any, rfile: Any) -> bytes:
+    def _read_body(self, headers: Any, rfile: Any, grant: _Grant, extra_bytes: int) -> bytes:
         try:
             length = int(headers.get("Content-Length", ""))
         except ValueError:
@@ -342,13 +358,14 @@ class OtlpReceiver:
         if length > self.opt.max_body_bytes:
             raise _HttpError(413, f"body of {length} bytes is over the limit of {self.opt.max_body_bytes}",
                              close=True)
+        grant.take(length + extra_bytes)
         body: bytes = rfile.read(length)
         if len(body) != length:
             raise _HttpError(400, f"body ended after {len(body)} of {length} bytes", close=True)
         self.metrics.received_bytes.inc(length)
         return body
 
-    def _decode(self, body: bytes, content_type: str) -> SpanBatch:
+    def _decode(self, body: bytes | bytearray, content_type: str) -> SpanBatch:
         parse = parse_otlp_json if content_type == _JSON else parse_otlp_protobuf
         try:
             batch = parse(body, replica=self.opt.replica, model=self.opt.model)
@@ -358,59 +375,23 @@ class OtlpReceiver:
         m.labels("llm_request").inc(len(batch.rows))
         m.labels("other").inc(batch.other_spans)
         m.labels("bad").inc(batch.bad_spans)
+        if batch.bad_spans:
+            log.warning("OTLP: skipped %d llm_request spans that cannot be rows (%s)", batch.bad_spans,
+                        "; ".join(batch.bad_reasons))
         return batch
 
     def _enqueue(self, batch: SpanBatch) -> None:
-        if self.writer_error is not None:
-            raise _HttpError(503, f"the lake writer failed ({self.writer_error}); retry later")
         if not batch.rows:
             return
+        assert self._writer is not None
         with self._lock:
             if self._closing:
                 raise _HttpError(503, "the receiver is shutting down; retry later")
             self._inflight += 1
         try:
-            self.queue.put(batch.rows, timeout=self.opt.put_timeout_s)
-        except queue.Full:
-            raise _HttpError(503, "the receiver is behind (queue full); retry later") from None
+            if not self._writer.put(batch.rows, self.opt.put_timeout_s):
+                raise _HttpError(503, "the receiver is behind (queue full); retry later")
         finally:
             with self._lock:
                 self._inflight -= 1
         self.metrics.requests.inc(len(batch.rows))
-        self.metrics.queue_batches.set(self.queue.qsize())
-
-    # -- the writer thread ----------------------------------------------------------------------
-
-    def _write_loop(self, writer: SegmentWriter) -> None:
-        pending: list[dict[str, Any]] = []
-        tick = min(0.2, self.opt.flush_age_s)
-        try:
-            while True:
-                try:
-                    item = self.queue.get(timeout=tick)
-                except queue.Empty:
-                    item = None
-                if item is _STOP:
-                    break
-                if item:
-                    pending.extend(item)
-                if pending and (item is None or len(pending) >= _APPEND_ROWS or self.queue.empty()):
-                    writer.append_rows(pending)
-                    pending = []
-                self._flush(writer, force=False)
-            writer.append_rows(pending)
-            self._flush(writer, force=True)
-        except BaseException as e:  # the disk is full or gone: report it, refuse new bodies
-            log.exception("OTLP receiver: lake writer failed")
-            self.writer_error = e
-            writer.abort()
-
-    def _flush(self, writer: SegmentWriter, *, force: bool) -> None:
-        if force:
-            writer.commit()
-        else:
-            writer.maybe_flush()
-        # append_rows may have flushed too (age reached): count from the writer's own total.
-        self.metrics.rows_written.inc(writer.rows_written - self._rows_counted)
-        self._rows_counted = writer.rows_written
-        self.metrics.queue_batches.set(self.queue.qsize())

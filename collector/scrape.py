@@ -15,7 +15,10 @@ name prefixes (``DEFAULT_FAMILY_PREFIXES``):
 - LMCache (FORMATS.md 2.5): every ``lmcache:*`` family and the MP server's ``lmcache_mp*``.
 
 Rows keep the sample name as exposed (``_total``, ``_created``, ``_bucket``, ``_sum``,
-``_count``), its labels (sorted by name) and value, with ``ts_ns`` = the scrape time. Counter
+``_count``), its labels (sorted by name) and value, with ``ts_ns`` = the scrape time. A sample
+whose value is NaN or infinite (the text format allows them: a summary with no observations)
+is skipped and counted (``ScrapeStats.skipped_samples``): ``metric_samples.value`` holds finite
+numbers only (kvlens.limits), so a counter sum never turns NaN. Counter
 resets are not touched here: raw values are stored and analyzers.reconcile handles resets.
 
 A failed scrape (connection refused, timeout, an HTTP error status, a body that does not
@@ -26,6 +29,7 @@ by the writer's ``flush_rows`` and the body-size limit.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import urllib.request
@@ -76,9 +80,10 @@ def fetch(url: str, *, timeout_s: float, max_bytes: int = MAX_BODY_BYTES) -> str
         raise ScrapeError(f"body is not UTF-8: {e}") from None
 
 
-def parse_exposition(text: str, prefixes: Sequence[str] = DEFAULT_FAMILY_PREFIXES
-                     ) -> list[tuple[str, list[tuple[str, str]], float]]:
-    """(sample name as exposed, sorted labels, value) of every sample of an allowed family."""
+def parse_exposition(text: str, prefixes: Sequence[str] = DEFAULT_FAMILY_PREFIXES, *,
+                     skipped: list[str] | None = None) -> list[tuple[str, list[tuple[str, str]], float]]:
+    """(sample name as exposed, sorted labels, value) of every sample of an allowed family with a
+    finite value; the names of samples skipped for a NaN or infinite value go to ``skipped``."""
     keep = tuple(prefixes)
     out: list[tuple[str, list[tuple[str, str]], float]] = []
     try:
@@ -86,7 +91,11 @@ def parse_exposition(text: str, prefixes: Sequence[str] = DEFAULT_FAMILY_PREFIXE
             if not family.name.startswith(keep):
                 continue
             for s in family.samples:
-                out.append((s.name, sorted(s.labels.items()), float(s.value)))
+                value = float(s.value)
+                if math.isfinite(value):
+                    out.append((s.name, sorted(s.labels.items()), value))
+                elif skipped is not None:
+                    skipped.append(s.name)
     except Exception as e:  # the third-party parser raises several types on bad text
         raise ScrapeError(f"exposition does not parse: {type(e).__name__}: {e}") from None
     return out
@@ -97,6 +106,7 @@ class ScrapeStats:
     ok: int = 0
     failed: int = 0
     samples: int = 0
+    skipped_samples: int = 0  # NaN or infinite values
     last_error: str | None = None
     errors: list[str] = field(default_factory=list)  # the first few, for the operator
 
@@ -127,13 +137,18 @@ class Scraper:
 
     def scrape_once(self) -> int:
         """One scrape; the samples it buffered (0 when it failed, which is counted)."""
+        skipped: list[str] = []
         try:
             text = self.fetch_text(self.url, self.timeout_s)
             ts_ns = self.clock_ns()
-            samples = parse_exposition(text, self.prefixes)
+            samples = parse_exposition(text, self.prefixes, skipped=skipped)
         except ScrapeError as e:
             self._failed(str(e))
             return 0
+        if skipped:
+            self.stats.skipped_samples += len(skipped)
+            log.info("scrape of %s: skipped %d samples with a NaN or infinite value (first: %s)", self.url,
+                     len(skipped), skipped[0])
         self.writer.append_columns(_columns(samples, ts_ns, self.replica))
         self.stats.ok += 1
         self.stats.samples += len(samples)

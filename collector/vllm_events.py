@@ -16,6 +16,15 @@ A ``BlockStored`` gets ``position`` and ``content_hash`` (kvlens's token-content
 collector.hashing) when its parent chain is known: from the root, or from a parent seen
 earlier (a bounded, two-generation map). Token ids are dropped unless ``keep_tokens``.
 A bad batch raises ``DecodeError``; a bad event is counted, skipped, and the rest kept.
+
+Every value is checked against its column at decode time (kvlens.limits), so no row that the
+lake cannot hold is ever made: a batch time that is not finite or does not fit int64
+nanoseconds, or a ``dp_rank`` outside [0, 2**31), makes the batch a DecodeError; a
+``group_idx`` or ``block_size`` outside INTEGER, token ids outside INTEGER when they are kept,
+or extra keys that are not plain nested lists of scalars (at most ``MAX_EXTRA_DEPTH`` deep)
+make that event bad. Nesting deeper than Python's recursion limit anywhere in a payload is a
+DecodeError (``depth``), not a RecursionError. A batch is decoded all or nothing into
+``KvColumns``: a failure part-way leaves none of its rows behind.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import math
 import os
 import re
 from collections.abc import Iterator, Sequence
@@ -36,6 +46,7 @@ import pyarrow as pa
 
 from collector.hashing import content_hashes
 from kvlens.errors import InputError
+from kvlens.limits import INT32_MAX, INT64_MAX
 from kvlens.schema import KV_EVENTS, EventKind, Medium, arrow_schema
 
 __all__ = [
@@ -77,6 +88,7 @@ _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size"
                   "kv_cache_spec_sliding_window")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _TS_MS_ABOVE = 1e11  # seconds since 1970 stay below this until the year 5138
+MAX_EXTRA_DEPTH = 8  # vLLM's extra keys nest 3 deep: [(("lora", name, path), ("cache_salt", s))]
 
 
 class DecodeError(ValueError):
@@ -155,6 +167,18 @@ class KvColumns:
     def __len__(self) -> int:
         return self.n
 
+    def mark(self) -> tuple[int, int, int]:
+        """Where the buffer stands now, for ``rollback``."""
+        return len(self.events), len(self.per_block["block_hash"]), self.n
+
+    def rollback(self, mark: tuple[int, int, int]) -> None:
+        """Drop every row added since ``mark``: a batch lands whole or not at all."""
+        events, blocks, n = mark
+        del self.events[events:], self.counts[events:]
+        for values in self.per_block.values():
+            del values[blocks:]
+        self.n = n
+
     def add_event(self, event: tuple[Any, ...], n: int, hashes: Sequence[Any], parents: Sequence[Any],
                   positions: Sequence[Any], extras: Sequence[Any], contents: Sequence[Any],
                   tokens: Sequence[Any] | None = None) -> None:
@@ -188,6 +212,24 @@ class KvColumns:
         cols.update({c: pa.array(v, type=schema.field(c).type) for c, v in self.per_block.items()})
         self._clear()
         return pa.table({c: cols[c] for c in self.names})
+
+    def take_arrow_salvaged(self) -> tuple[pa.Table, list[dict[str, Any]]]:
+        """``take_arrow`` event by event, for when it failed: (the rows Arrow takes, the rows it refuses)."""
+        schema = arrow_schema(KV_EVENTS)
+        good: list[pa.Table] = []
+        refused: list[dict[str, Any]] = []
+        start = 0
+        for event, n in zip(self.events, self.counts, strict=True):
+            head = dict(zip(_PER_EVENT, event, strict=True))
+            rows = [{**head, **{c: v[j] for c, v in self.per_block.items()}} for j in range(start, start + n)]
+            start += n
+            try:
+                good.append(pa.Table.from_pylist(rows, schema=schema))
+            except (pa.ArrowException, OverflowError, TypeError, ValueError):
+                refused.extend(rows)
+        self._clear()
+        table = pa.concat_tables(good) if good else schema.empty_table()
+        return table.select(list(self.names)), refused
 
     def take(self) -> dict[str, list[Any]]:
         return self.take_arrow().to_pydict()
@@ -290,15 +332,19 @@ class EventDecoder:
                                           f"{self.max_payload_bytes:,}")
         try:
             b = self._typed(payload)
-            return _ts_ns(b.ts), b.events, b.dp_rank
+            return _ts_ns(b.ts), b.events, _dp_rank(b.dp_rank)
         except msgspec.ValidationError:
             pass
         except msgspec.DecodeError as e:
             raise DecodeError("msgpack", f"not msgpack: {e}") from None
+        except RecursionError:
+            raise DecodeError("depth", "payload nests deeper than the decoder's recursion limit") from None
         try:
             batch = self._decode(payload)
         except msgspec.DecodeError as e:
             raise DecodeError("msgpack", f"not msgpack: {e}") from None
+        except RecursionError:
+            raise DecodeError("depth", "payload nests deeper than the decoder's recursion limit") from None
         if not isinstance(batch, list) or len(batch) < 2:
             raise DecodeError("batch_shape", "batch is not an array [ts, events, ...]")
         ts, events = batch[0], batch[1]
@@ -307,12 +353,27 @@ class EventDecoder:
             raise DecodeError("batch_types", "batch [ts, events] has wrong types")
         if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int)):
             raise DecodeError("batch_types", f"dp_rank is {type(dp_rank).__name__}, expected int")
-        return _ts_ns(ts), events, dp_rank
+        return _ts_ns(ts), events, _dp_rank(dp_rank)
 
     def decode(self, payload: bytes, out: KvColumns, *, replica: str, seq: int, recv_ns: int,
                namespace: str | None = None) -> BatchInfo:
         """Append the payload's rows to ``out``; raises DecodeError for an unreadable batch."""
-        ts_ns, events, dp_rank = self.read_batch(payload)
+        return self.decode_batch(self.read_batch(payload), out, replica=replica, seq=seq, recv_ns=recv_ns,
+                                 namespace=namespace)
+
+    def decode_batch(self, batch: tuple[int, list[Any], int | None], out: KvColumns, *, replica: str,
+                     seq: int, recv_ns: int, namespace: str | None = None) -> BatchInfo:
+        """Append the rows of a ``read_batch`` result to ``out``, all of them or (on an error) none."""
+        mark = out.mark()
+        try:
+            return self._decode_events(batch, out, replica, seq, recv_ns, namespace)
+        except BaseException:
+            out.rollback(mark)
+            raise
+
+    def _decode_events(self, batch: tuple[int, list[Any], int | None], out: KvColumns, replica: str, seq: int,
+                       recv_ns: int, namespace: str | None) -> BatchInfo:
+        ts_ns, events, dp_rank = batch
         info = BatchInfo(ts_ns, dp_rank, 0, [])
         head = (ts_ns, recv_ns, replica, dp_rank, seq)
         stored, removed = self._stored, self._removed
@@ -326,7 +387,7 @@ class EventDecoder:
                     ev = _typed_event(ev)
                 if type(ev) is _Removed:
                     hashes = _hashes(ev.block_hashes)
-                    key = (medium_of(ev.medium), ev.group_idx, ev.locality)
+                    key = (medium_of(ev.medium), _group(ev.group_idx), ev.locality)
                     if key != run_key and run:
                         info.rows += removed(run_key, run, out, head, namespace)
                         run = []
@@ -356,11 +417,16 @@ class EventDecoder:
             return 0
         parent = None if ev.parent_block_hash is None else normalise_hash(ev.parent_block_hash)
         tokens, block_size = ev.token_ids, ev.block_size or None
+        if block_size is not None and not 0 < block_size <= INT32_MAX:
+            raise _BadEvent("field:block_size")
+        group_idx, medium = _group(ev.group_idx), medium_of(ev.medium)
         lora = ev.lora_name if ev.lora_name is not None or ev.lora_id is None else str(ev.lora_id)
         aligned = tokens is not None and block_size is not None and len(tokens) == n * block_size
-        positions, contents = self._chain(hashes, parent, tokens if aligned else None, block_size or 0)
         extras = _extra_keys(ev.extra_keys, n, ev.cache_salt)
-        event = (*head, _STORED, block_size, medium_of(ev.medium), ev.group_idx, ev.kv_cache_spec_kind, lora,
+        if out.keep_tokens and tokens and aligned and not 0 <= min(tokens) <= max(tokens) <= INT32_MAX:
+            raise _BadEvent("field:token_ids")  # kept ids are INTEGER[]; no tokenizer has ids past 2**31
+        positions, contents = self._chain(hashes, parent, tokens if aligned else None, block_size or 0)
+        event = (*head, _STORED, block_size, medium, group_idx, ev.kv_cache_spec_kind, lora,
                  ns, ev.session_id, ev.locality)
         blocks = None
         if out.keep_tokens and tokens is not None and aligned:
@@ -379,6 +445,8 @@ class EventDecoder:
             if known is None:
                 return (None,) * n, (None,) * n
             first, parent_content = known[0] + 1, known[1]
+            if first + n > INT32_MAX:  # a chain longer than any prompt: its positions are not known
+                return (None,) * n, (None,) * n
         contents: Sequence[int | None] = (None,) * n
         if tokens is not None and parent_content is not None:
             contents = content_hashes(tokens, block_size, parent_content) or contents
@@ -409,7 +477,25 @@ def _hashes(raw: list[Any]) -> list[int]:
 
 
 def _ts_ns(ts: float) -> int:
-    return int(ts * 1_000_000) if ts > _TS_MS_ABOVE else int(ts * 1e9)
+    """Engine seconds (or Mooncake Store milliseconds) as int64 ns since the epoch, or DecodeError."""
+    if not math.isfinite(ts) or ts < 0:
+        raise DecodeError("ts", f"batch time {ts!r} is not a time since the epoch")
+    scaled = ts * 1_000_000 if ts > _TS_MS_ABOVE else ts * 1e9  # inf past 1.8e302: compare, then convert
+    if not scaled <= INT64_MAX:
+        raise DecodeError("ts", f"batch time {ts!r} is past the int64 nanosecond range (year 2262)")
+    return int(scaled)
+
+
+def _dp_rank(value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= INT32_MAX:
+        raise DecodeError("dp_rank", f"dp_rank {value} is outside [0, 2**31)")
+    return value
+
+
+def _group(value: int | None) -> int | None:
+    if value is not None and not 0 <= value <= INT32_MAX:
+        raise _BadEvent("field:group_idx")
+    return value
 
 
 def _typed_event(ev: Any) -> _Event:
@@ -422,6 +508,8 @@ def _typed_event(ev: Any) -> _Event:
         raise _BadEvent("event_shape")
     try:
         return msgspec.convert(ev, _AnyEvent, builtin_types=(bytes,))
+    except RecursionError:
+        raise _BadEvent("depth") from None
     except msgspec.ValidationError as e:
         where = str(e).rsplit("`", 2)[-2] if "`$" in str(e) else ""
         field = re.sub(r"\[[^\]]*\]", "", where.removeprefix("$.")).split(".")[0]  # a bounded label
@@ -432,8 +520,24 @@ def _extra_keys(extra: list[Any] | None, n: int, salt: str | None) -> Sequence[s
     """Each block's published extra keys as compact JSON text (SGLang: its cache salt)."""
     if extra is None or not any(extra):
         return (salt,) * n
-    return [None if e is None else msgspec.json.encode(e).decode()
-            for e in (extra[:n] + [None] * (n - len(extra)))]
+    return [None if e is None else _extra_text(e) for e in (extra[:n] + [None] * (n - len(extra)))]
+
+
+_SCALARS = (str, int, float, bool, bytes, type(None))
+
+
+def _extra_text(key: Any) -> str:
+    """One block's extra keys as JSON: nested lists of scalars (bytes as base64), or _BadEvent."""
+    todo = [(key, 1)]
+    while todo:
+        value, depth = todo.pop()
+        if type(value) is list or type(value) is tuple:
+            if depth > MAX_EXTRA_DEPTH:
+                raise _BadEvent("field:extra_keys")
+            todo.extend((v, depth + 1) for v in value)
+        elif type(value) not in _SCALARS or (type(value) is float and not math.isfinite(value)):
+            raise _BadEvent("field:extra_keys")  # a msgpack ext type, a map, NaN: not a cache key
+    return msgspec.json.encode(key).decode()
 
 
 # -- captures: the frames file `--record` writes, and `kvlens import vllm-events` reads ----------
@@ -452,7 +556,7 @@ def read_capture(path: str | os.PathLike[str]) -> Iterator[tuple[int, list[bytes
             try:
                 items = json.loads(line)
                 frames = [base64.b64decode(x, validate=True) for x in items]
-            except (ValueError, TypeError) as e:
+            except (ValueError, TypeError, RecursionError) as e:
                 raise InputError(f"not a JSON list of base64 frames ({e})", path=str(path),
                                  line=lineno) from None
             yield lineno, frames

@@ -12,6 +12,8 @@ Layout: ``LAKE/<table>/scenario=NAME/date=YYYY-MM-DD/<writer>-<n>.parquet``.
   metadata; ``latest_checkpoint`` returns the newest one, so a restarted collector resumes.
 - Memory is bounded by ``flush_rows``: reaching it flushes synchronously, which is the
   back-pressure a fast producer feels when the disk is slow.
+- A flush the disk refuses (an OSError) raises with the unwritten rows still buffered, so
+  that the caller can retry it: a write failure never drops accepted rows by itself.
 """
 
 from __future__ import annotations
@@ -152,6 +154,12 @@ class SegmentWriter:
     def buffered_rows(self) -> int:
         return self._buffered
 
+    def take_buffer(self) -> pa.Table:
+        """The buffered rows, removed from the writer (to spill them elsewhere when the lake refuses)."""
+        data = pa.concat_tables(self._chunks) if self._chunks else self.schema.empty_table()
+        self._chunks, self._buffered, self._oldest = [], 0, None
+        return data
+
     def append_rows(self, rows: Iterable[Mapping[str, Any]]) -> None:
         self._add(pa.Table.from_pylist(list(rows), schema=self.schema))
 
@@ -218,8 +226,19 @@ class SegmentWriter:
             _CHECKPOINT_KEY: json.dumps(dict(checkpoint or {})).encode(),
         }
         data = data.replace_schema_metadata(meta)
-        for date, part in self._split_by_date(data):
-            self._write_segment(date, part)
+        parts = self._split_by_date(data)
+        for i, (date, part) in enumerate(parts):
+            try:
+                self._write_segment(date, part)
+            except BaseException:
+                # The disk refused (full, gone): keep what was not written, so that a retry
+                # writes it and no accepted row is dropped; the parts before are committed.
+                rest = [p.replace_schema_metadata(None) for _, p in parts[i:]]
+                self._chunks = rest + self._chunks
+                self._buffered += sum(p.num_rows for p in rest)
+                self._oldest = self._oldest if self._oldest is not None else self.clock()
+                self.rows_written += sum(p.num_rows for _, p in parts[:i])
+                raise
         self.rows_written += data.num_rows
         return data.num_rows
 
@@ -245,11 +264,15 @@ class SegmentWriter:
         directory.mkdir(parents=True, exist_ok=True)
         name = self._next_name()
         tmp = directory / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            pq.write_table(part, f, compression="snappy")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
+        try:
+            with open(tmp, "wb") as f:
+                pq.write_table(part, f, compression="snappy")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / name)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         fsync_dir(directory)
         self.segments_written += 1
 

@@ -137,7 +137,9 @@ def _drive(s: Stream, base: int, settle: Callable[[int], None]) -> None:
     s.batch([base + 5], send=False)
     s.batch([base + 6], send=False)
     s.batch([base + 7])
-    settle(10)  # seq 0..9 reached the collector (replays included) before the engine restarts
+    # seq 0..9 reached the collector (replays included) before the engine restarts; the three bad
+    # batches are not accepted batches (their replayed copies only move the sequence on)
+    settle(10 - s.bad_frames)
     e.restart()  # a new engine process: seq 0 again, fresh ring
     s.expected.append((s.replica, 1, "cleared", None))  # the clear, stamped with the first seq seen
     s.batch([base + 8], send=False)  # the new process's seq 0 is dropped too: replayed from its ring
@@ -341,7 +343,7 @@ def test_kill_9_mid_stream_then_restart_exactly_once(ctx: zmq.Context[Any], tmp_
         e.wait_subscribed(20)
         for i in range(n // 2):
             e.publish(payloads[i])
-        _wait(lambda: (lake / "kv_events").exists() and any((lake / "kv_events").rglob("*.parquet")), 20)
+        _wait(lambda: (lake / "kv_events").exists() and any((lake / "kv_events").rglob("*.parquet")), 60)
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
         assert "kvlens_collector_received_batches_total" in text
@@ -352,7 +354,7 @@ def test_kill_9_mid_stream_then_restart_exactly_once(ctx: zmq.Context[Any], tmp_
             e.publish(payloads[i])  # nobody listens: only the replay ring keeps these
         proc = _spawn(lake, e, log)
         e.wait_subscribed(20)
-        _wait(lambda: _rows(lake) >= n, 25)
+        _wait(lambda: _rows(lake) >= n, 180)  # a bound, not a timing: a loaded machine takes longer
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0, log.read_text()[-2000:]

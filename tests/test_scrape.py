@@ -151,3 +151,16 @@ def test_cli_scrape_writes_the_live_scenario(server: _Server, tmp_path: Path) ->
         "SELECT scenario, count(*) FROM metric_samples WHERE name = 'vllm:prefix_cache_queries_total' "
         "GROUP BY scenario").fetchall()
     assert scenario == "live" and scrapes >= 2
+
+
+def test_non_finite_values_are_skipped_and_counted(tmp_path: Path) -> None:
+    text = ("# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{engine=\"0\"} NaN\n"
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{engine=\"0\"} +Inf\n"
+            "vllm:num_requests_running{engine=\"1\"} 3\n")
+    skipped: list[str] = []
+    assert parse_exposition(text, skipped=skipped) == [("vllm:num_requests_running", [("engine", "1")], 3.0)]
+    assert skipped == ["vllm:kv_cache_usage_perc", "vllm:num_requests_running"]
+    scraper = Scraper(url="http://x", replica="r", lake=str(tmp_path / "lake"), fetch_text=lambda u, t: text)
+    assert scraper.scrape_once() == 1
+    scraper.writer.commit()
+    assert scraper.stats.skipped_samples == 2
