@@ -59,8 +59,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**20
 
 KV_COLUMNS = (
     "ts_ns", "recv_ns", "replica", "dp_rank", "seq", "kind", "block_hash", "parent_hash", "position",
-    "block_tokens", "medium", "group_idx", "spec_kind", "lora_name", "extra_key", "content_hash",
-    "namespace", "session_id", "locality",
+    "block_tokens", "medium", "group_idx", "spec_kind", "sliding_window_tokens", "lora_name", "extra_key",
+    "content_hash", "namespace", "session_id", "locality",
 )
 
 # vLLM GPU/CPU/STORAGE; SGLang GPU/CPU_PINNED/DISK/EXTERNAL; Mooncake CPU/Disk; LMCache CPU.
@@ -242,6 +242,7 @@ class _Stored(_Event, tag="BlockStored"):
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     session_id: str | None = None
     locality: str | None = None
     cache_salt: str | None = None  # SGLang
@@ -340,8 +341,8 @@ class EventDecoder:
                     info.rows += stored(ev, out, head, namespace)
                 else:
                     none = (None,)
-                    out.add_event((*head, _CLEARED, None, None, None, None, None, namespace, None, None),
-                                  1, none, none, none, none, none)
+                    cleared = (*head, _CLEARED, None, None, None, None, None, None, namespace, None, None)
+                    out.add_event(cleared, 1, none, none, none, none, none)
                     info.rows += 1
             except _BadEvent as e:
                 info.bad_events.append(e.reason)
@@ -360,8 +361,8 @@ class EventDecoder:
         aligned = tokens is not None and block_size is not None and len(tokens) == n * block_size
         positions, contents = self._chain(hashes, parent, tokens if aligned else None, block_size or 0)
         extras = _extra_keys(ev.extra_keys, n, ev.cache_salt)
-        event = (*head, _STORED, block_size, medium_of(ev.medium), ev.group_idx, ev.kv_cache_spec_kind, lora,
-                 ns, ev.session_id, ev.locality)
+        event = (*head, _STORED, block_size, medium_of(ev.medium), ev.group_idx, ev.kv_cache_spec_kind,
+                 ev.kv_cache_spec_sliding_window, lora, ns, ev.session_id, ev.locality)
         blocks = None
         if out.keep_tokens and tokens is not None and aligned:
             bs = block_size or 0
@@ -393,7 +394,7 @@ class EventDecoder:
         known = [get(h) or (None, None) for h in hashes]
         none = (None,) * n
         medium, group_idx, locality = key
-        event = (*head, _REMOVED, None, medium, group_idx, None, None, ns, None, locality)
+        event = (*head, _REMOVED, None, medium, group_idx, None, None, None, ns, None, locality)
         out.add_event(event, n, hashes, none, [k[0] for k in known], none, [k[1] for k in known])
         return n
 

@@ -169,6 +169,8 @@ KV_EVENTS = Table("kv_events", "lake", "One row per block hash per KV-cache even
     _c("medium", "medium", "tier the block lives in"),
     _c("group_idx", "INTEGER", "KV cache group (hybrid models)"),
     _c("spec_kind", "VARCHAR", "KV cache spec kind of the group, when reported"),
+    _c("sliding_window_tokens", "INTEGER", "sliding window of the group's KV cache spec, when reported",
+       "tokens"),
     _c("lora_name", "VARCHAR", "LoRA adapter the block was computed under"),
     _c("extra_key", "VARCHAR", "other hash inputs (cache salt, multimodal ids), as published"),
     _c("content_hash", "UBIGINT", "chained hash of the block's token ids alone (no extra keys, no model)"),
