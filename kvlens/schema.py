@@ -59,18 +59,27 @@ class Medium(enum.StrEnum):
 
 
 class Outcome(enum.StrEnum):
-    """One outcome per needed full block, decided in this order (DESIGN.md section 1)."""
+    """One outcome per needed full block, decided in this order (DESIGN.md section 1).
+
+    ``miss_group``: resident, with its whole prefix, in the full-attention KV cache group(s), but
+    the request's hit was cut short before it by another group (a sliding window, vLLM's hybrid
+    KV-cache manager). ``unobserved``: no KV events came from the serving replica, so whether the
+    block was resident is unknown: neither a hit nor a miss (``reusable`` says whether an unbounded
+    cache could have served it).
+    """
 
     HIT_LOCAL = "hit_local"
     HIT_OFFLOAD = "hit_offload"
     HIT_REMOTE = "hit_remote"
     RECOMPUTED_LAST = "recomputed_last"
+    MISS_GROUP = "miss_group"
     MISS_LOAD_FAILED = "miss_load_failed"
     MISS_AFTER_GAP = "miss_after_gap"
     MISS_ROUTING = "miss_routing"
     MISS_EVICTED = "miss_evicted"
     MISS_INCOMPATIBLE = "miss_incompatible"
     MISS_COLD = "miss_cold"
+    UNOBSERVED = "unobserved"
 
 
 # The outcomes that are hits; every other outcome is recomputed (DESIGN.md section 1).
@@ -171,6 +180,8 @@ KV_EVENTS = Table("kv_events", "lake", "One row per block hash per KV-cache even
     _c("spec_kind", "VARCHAR", "KV cache spec kind of the group, when reported"),
     _c("sliding_window_tokens", "INTEGER", "sliding window of the group's KV cache spec, when reported",
        "tokens"),
+    _c("remaining_copies", "INTEGER", "for a removal: physical copies of the block the engine still holds "
+       "(vLLM remaining_copy_counts), when reported; NULL: one copy of possibly several went", "blocks"),
     _c("lora_name", "VARCHAR", "LoRA adapter the block was computed under"),
     _c("extra_key", "VARCHAR", "other hash inputs (cache salt, multimodal ids), as published"),
     _c("content_hash", "UBIGINT", "chained hash of the block's token ids alone (no extra keys, no model)"),
@@ -276,6 +287,9 @@ BLOCK_OUTCOMES = Table("block_outcomes", "analysis", "One outcome per needed ful
     _c("removed_ns", "BIGINT", "for miss_evicted: when it was last removed", "ns"),
     _c("remover", "VARCHAR", "for miss_evicted: where it was removed from"),
     _c("key_diff", "VARCHAR", "for miss_incompatible: the namespace it was stored under"),
+    _c("cut_group", "INTEGER", "for miss_group: the KV cache group (group_idx) that cut the hit short"),
+    _c("reusable", "BOOLEAN", "an earlier request of the scenario needed the same block: an unbounded "
+       "cache could have served it"),
 ))
 
 MISS_LEDGER = Table("miss_ledger", "analysis", "Blocks, tokens and bytes per outcome per replica.", (
@@ -297,6 +311,10 @@ REQUEST_LEDGER = Table("request_ledger", "analysis",
     _c("miss_tokens", "BIGINT", "tokens of blocks with a miss outcome", "tokens"),
     _c("tail_partial_tokens", "BIGINT", "tokens of the final, not-full block: recomputed by definition",
        "tokens"),
+    _c("unobserved_tokens", "BIGINT", "tokens of unobserved blocks: no KV events from the replica, "
+       "residency unknown", "tokens"),
+    _c("reusable_tokens", "BIGINT", "tokens of blocks an earlier request needed: what an unbounded cache "
+       "could have served", "tokens"),
     _c("cached_tokens", "BIGINT", "prefix-cache hit tokens as the engine reported, when known", "tokens"),
     _c("dominant_miss", "outcome", "the miss outcome with the most tokens; NULL for a full hit"),
     _c("ttft_ms", "DOUBLE", "time to first token", "ms"),

@@ -64,10 +64,14 @@ def test_units_in_names_match_declared_units() -> None:
 
 def test_outcome_order_matches_design() -> None:
     design = [
-        "hit_local", "hit_offload", "hit_remote", "recomputed_last", "miss_load_failed", "miss_after_gap",
-        "miss_routing", "miss_evicted", "miss_incompatible", "miss_cold",
+        "hit_local", "hit_offload", "hit_remote", "recomputed_last", "miss_group", "miss_load_failed",
+        "miss_after_gap", "miss_routing", "miss_evicted", "miss_incompatible", "miss_cold", "unobserved",
     ]
     assert [o.value for o in Outcome] == design
+    # README's outcome table lists them in the same order, one row each.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `([a-z_]+)` \|", readme[readme.index("| outcome |"):], re.M)
+    assert rows[:len(design)] == design
 
 
 def test_enum_columns_name_a_declared_vocabulary() -> None:
