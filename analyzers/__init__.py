@@ -29,7 +29,7 @@ from analyzers.request_ledger import request_ledger
 from analyzers.reuse import access_stream, reuse
 from analyzers.tails import latency_tails
 from analyzers.warmup import warmup
-from kvlens.models import ModelGeometry
+from kvlens.models import ModelGeometry, group_bytes_per_token
 
 __all__ = [
     "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity", "fanout", "flows",
@@ -63,7 +63,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     outcomes = block_outcomes(
         requests=requests, request_blocks=con.table("request_blocks"),
         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
-        scenario=scenario, bytes_per_token=per_token)
+        scenario=scenario, bytes_per_token=per_token, group_bytes_per_token=group_bytes_per_token(model))
     per_request = request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario)
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
