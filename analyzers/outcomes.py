@@ -20,12 +20,26 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from analyzers.replay import OUTCOME_CODES, XFER_FAILED, XFER_NONE, XFER_OK, replay_core
+from analyzers.replay import (
+    OUTCOME_CODES,
+    SRC_CPU,
+    SRC_DISK,
+    SRC_GPU,
+    SRC_POOL,
+    SRC_TRANSFER,
+    XFER_FAILED,
+    XFER_NONE,
+    XFER_OK,
+    replay_core,
+)
 from kvlens.schema import Medium
 
 __all__ = ["POOL_LOCATION", "block_outcomes"]
 
-_LOWER_TIERS = {Medium.CPU.value, Medium.DISK.value}
+# Replay tiers: 0 the GPU (and the pool's one tier, and an unknown medium), 1 CPU, 2 disk.
+_TIER_CODES = {Medium.CPU.value: 1, Medium.DISK.value: 2}
+_ORIGINS = {SRC_GPU: Medium.GPU.value, SRC_CPU: Medium.CPU.value, SRC_DISK: Medium.DISK.value,
+            SRC_POOL: Medium.POOL.value}
 _KIND_CODES = {"stored": 0, "removed": 1, "cleared": 2}
 # The shared pool's location name (the simulator's pool replica, and where pool-medium events go).
 POOL_LOCATION = Medium.POOL.value
@@ -74,7 +88,7 @@ def _events(kv_events: duckdb.DuckDBPyRelation, scenario: str, locs: _Codes,
     order = np.lexsort((ev["seq"].fill_null(0).to_numpy(), ev["ts_ns"].fill_null(0).to_numpy()))
     ev = ev[order]
     medium = ev["medium"].cast(pl.Utf8)
-    tier = np.where(medium.is_in(list(_LOWER_TIERS)).to_numpy(), 1, 0).astype(np.int8)
+    tier = medium.replace_strict(_TIER_CODES, default=0, return_dtype=pl.Int8).fill_null(0).to_numpy().copy()
     kind = ev["kind"].cast(pl.Utf8).replace_strict(_KIND_CODES, return_dtype=pl.Int8).to_numpy()
     tier[(kind == 2) & medium.is_null().to_numpy()] = -1  # a clear without a medium clears all
     pooled = (medium == Medium.POOL.value).fill_null(False)
@@ -131,12 +145,14 @@ def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRe
            .sort("lookup_ns", "arrival_ns", "request_id"))
     # A load is a transfer the serving replica received for this request and block; a store
     # into the pool (received by the pool) is not.
-    xfer = (_scenario(transfers, scenario, "request_id", "block_hash", "status", "replica")
+    xfer = (_scenario(transfers, scenario, "request_id", "block_hash", "status", "replica", "origin")
             .rename({"replica": "receiver"})
             .join(req.select("request_id", "replica"), on="request_id")
             .filter(pl.col("block_hash").is_not_null()
                     & (pl.col("receiver").is_null() | (pl.col("receiver") == pl.col("replica"))))
-            .group_by("request_id", "block_hash").agg(ok=(pl.col("status").cast(pl.Utf8) == "ok").any()))
+            .with_columns(is_ok=pl.col("status").cast(pl.Utf8) == "ok")
+            .group_by("request_id", "block_hash")
+            .agg(ok=pl.col("is_ok").any(), origin=pl.col("origin").filter(pl.col("is_ok")).first()))
     full = (full.join(req.select("request_id", "lookup_ns", "arrival_ns", "replica"), on="request_id")
             .join(xfer, on=["request_id", "block_hash"], how="left")
             .with_columns(xfer=pl.when(pl.col("ok").is_null()).then(XFER_NONE)
@@ -164,7 +180,8 @@ def block_outcomes(
     removed_ns and remover (for miss_evicted: the last removal before the look-up and where),
     key_diff (for miss_incompatible: the namespace the same content was stored under), cut_group
     (for miss_group: the group_idx of the KV cache group that cut the hit short), reusable (an
-    earlier request needed the block). Sorted by look-up time, request, position.
+    earlier request needed the block), origin (for a hit: gpu, cpu, disk, pool, or the replica a
+    transfer came from). Sorted by look-up time, request, position.
 
     ``bytes`` is tokens x ``bytes_per_token``, unless ``group_bytes_per_token`` gives one rate
     per KV cache group (group_idx 0, 1, ...) for as many groups as the events name: then a hit
@@ -183,7 +200,7 @@ def block_outcomes(
     per_req = (req.join(counts, on="request_id", how="left", maintain_order="left")["len"]
                .fill_null(0).to_numpy())
     req_off = np.concatenate([[0], np.cumsum(per_req)]).astype(np.int64)
-    out, holder, rem_ts, rem_loc, other_ns, cut, served = replay_core(
+    out, holder, rem_ts, rem_loc, other_ns, cut, groups_served, source = replay_core(
         ev["ev_ts"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"], ev["ev_c"],
         ev["ev_ns"], ev["ev_left"], req["lookup_ns"].to_numpy().astype(np.int64), req_loc,
         req["tail"].to_numpy().astype(np.bool_), req["block_size"].to_numpy().astype(np.int64), req_off,
@@ -199,14 +216,23 @@ def block_outcomes(
         "block_hash": full["block_hash"],
         "outcome": [outcome_names[c] for c in out.tolist()],
         "tokens": full["block_tokens"],
-        "bytes": _bytes(full["block_tokens"], served, group_idx, bytes_per_token, group_bytes_per_token),
+        "bytes": _bytes(full["block_tokens"], groups_served, group_idx, bytes_per_token,
+                        group_bytes_per_token),
         "holder": locs.decode(holder),
         "removed_ns": pl.Series(rem_ts, dtype=pl.Int64).replace(-1, None),
         "remover": locs.decode(rem_loc),
         "key_diff": spaces.decode(other_ns),
         "cut_group": pl.Series([group_idx[c] if c >= 0 else None for c in cut.tolist()], dtype=pl.Int32),
         "reusable": full["reusable"],
+        "origin": _origins(source, full["origin"]),
     })
+
+
+def _origins(source: np.ndarray, transfer_origin: pl.Series) -> list[str | None]:
+    """Where each hit came from: gpu, cpu, disk, pool, or a transfer's origin (else NULL)."""
+    origins = transfer_origin.cast(pl.Utf8).to_list()
+    return [(origins[i] or Medium.POOL.value) if s == SRC_TRANSFER else _ORIGINS.get(s)
+            for i, s in enumerate(source.tolist())]
 
 
 def _bytes(tokens: pl.Series, served: np.ndarray, group_idx: list[int], bytes_per_token: int,

@@ -6,9 +6,10 @@ needed full block's outcome in DESIGN.md's order. Conventions, all relied on by 
 
 - A look-up at time t sees the events with ``ts < t`` (strictly before): a request never
   sees its own stores. Events are given already sorted (stably, by time then sequence).
-- Residency is per (block, KV cache group, location, tier); tier 0 is the GPU, tier 1 any
-  lower tier (CPU, disk). The shared pool is a location of its own (``pool_loc``): a block
-  resident there can be loaded by any replica.
+- Residency is per (block, KV cache group, location, tier); tier 0 is the GPU, 1 the CPU, 2
+  disk. The shared pool is a location of its own (``pool_loc``): a block resident there can be
+  loaded by any replica. A GPU removal of a block the same location keeps on a lower tier is a
+  demotion, not an eviction: the block is still there, and a later look-up finds it offloaded.
 - Copies are counted: vLLM keeps one hash in several physical blocks when it computes a
   block again (vllm/v1/core/block_pool.py: ``cached_block_hash_to_block`` maps a hash to
   blocks; ``_maybe_evict_cached_block`` emits one ``BlockRemoved`` per physical copy), so a
@@ -16,9 +17,9 @@ needed full block's outcome in DESIGN.md's order. Conventions, all relied on by 
   resident until the last goes. A removal that says how many copies remain (newer vLLM's
   ``remaining_copy_counts``, ``ev_left`` >= 0) sets the count.
 - Each block ever stored gets a dense row (one dict look-up per block); its residency is a row
-  of bit words, bit ``2·(group·n_locs + location) + tier``, 62 bits per int64 word so that a
-  location's two tiers share a word.
-- ``cleared`` empties one tier of a location (or both, with tier -1) in every group.
+  of bit words, bit ``3·(group·n_locs + location) + tier``, 63 bits per int64 word so that a
+  location's three tiers share a word.
+- ``cleared`` empties one tier of a location (or all, with tier -1) in every group.
 - The hit rule is vLLM 0.32's for each group's spec, combined as its hybrid coordinator does
   (vllm/v1/core/kv_cache_coordinator.py::HybridKVCacheCoordinator.find_longest_cache_hit):
   full-attention groups give the longest prefix every one of them holds
@@ -29,9 +30,9 @@ needed full block's outcome in DESIGN.md's order. Conventions, all relied on by 
   a shorter length can move a window. The look-up is capped at ``prompt_tokens - 1`` tokens
   (kv_cache_manager.py::KVCacheManager.get_computed_blocks), so a prompt without a partial tail
   whose every block the full groups hold gives its last block back (``recomputed_last``).
-- A block is available in a group when it is on this replica's GPU or lower tier, in the pool,
-  or loaded by an ok transfer; a failed transfer makes a block unavailable unless a local tier
-  holds it. Within the hit, a block's outcome is the slowest source among the groups that need
+- A block is available in a group when it is on this replica's GPU or a lower tier, loaded by
+  an ok transfer, or in the pool; a failed transfer makes a block unavailable unless a local
+  tier holds it. Within the hit, a block's outcome is the slowest source among the groups that need
   it (a sliding group needs only the blocks of its window before the match point).
 - Past the hit: a block the full groups hold with its whole prefix was cut short by another
   group (``miss_group``); otherwise the dense chain rule: a failed load, a block available after
@@ -48,7 +49,8 @@ from numba.typed import Dict
 
 from kvlens.schema import Outcome
 
-__all__ = ["OUTCOME_CODES", "XFER_FAILED", "XFER_NONE", "XFER_OK", "replay_core"]
+__all__ = ["OUTCOME_CODES", "SRC_CPU", "SRC_DISK", "SRC_GPU", "SRC_POOL", "SRC_TRANSFER", "XFER_FAILED",
+           "XFER_NONE", "XFER_OK", "replay_core"]
 
 OUTCOME_CODES: tuple[Outcome, ...] = tuple(Outcome)
 _HIT_LOCAL = OUTCOME_CODES.index(Outcome.HIT_LOCAL)
@@ -66,12 +68,15 @@ _UNOBSERVED = OUTCOME_CODES.index(Outcome.UNOBSERVED)
 XFER_NONE, XFER_OK, XFER_FAILED = 0, 1, 2
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
 _NO_NS = -1
-# A block's best source in one group, slowest last; below _SRC_FAILED it is available.
-_SRC_LOCAL, _SRC_OFFLOAD, _SRC_REMOTE, _SRC_FAILED, _SRC_NONE = 0, 1, 2, 3, 4
-_SRC_OUTCOME = np.array([_HIT_LOCAL, _HIT_OFFLOAD, _HIT_REMOTE], np.int8)
+# A block's best source in one group, slowest last; below _SRC_FAILED it is available. The
+# serving source of a hit is returned per block (``src`` below): SRC_GPU ... SRC_POOL.
+SRC_GPU, SRC_CPU, SRC_DISK, SRC_TRANSFER, SRC_POOL = 0, 1, 2, 3, 4
+_SRC_FAILED, _SRC_NONE = 5, 6
+_SRC_OUTCOME = np.array([_HIT_LOCAL, _HIT_OFFLOAD, _HIT_OFFLOAD, _HIT_REMOTE, _HIT_REMOTE], np.int8)
+_TIERS = 3
 
 _NO_ROW = np.int64(-1)
-_BITS = 62  # per int64 word; even, so both tier bits of a location sit in one word
+_BITS = 63  # per int64 word; a multiple of 3, so a location's tier bits sit in one word
 
 
 @njit(cache=True)
@@ -96,11 +101,11 @@ def _drop(masks, row, slot, ts, loc, removed_ts, remover):
 
 @njit(cache=True)
 def _clear(masks, n_rows, loc, tier, ts, removed_ts, remover, n_locs, n_groups, copies):
-    n_slots = 2 * n_locs * n_groups
+    n_slots = _TIERS * n_locs * n_groups
     for g in range(n_groups):
-        for t in range(2):
+        for t in range(_TIERS):
             if tier < 0 or tier == t:
-                slot = (g * n_locs + loc) * 2 + t
+                slot = (g * n_locs + loc) * _TIERS + t
                 for row in range(n_rows):
                     if _has(masks, row, slot):
                         _drop(masks, row, slot, ts, loc, removed_ts, remover)
@@ -143,7 +148,7 @@ def _holder(masks, row, own_loc, pool_loc, n_words, n_locs):
             continue
         for b in range(_BITS):
             if (m >> b) & 1 == 1:
-                loc = ((w * _BITS + b) // 2) % n_locs
+                loc = ((w * _BITS + b) // _TIERS) % n_locs
                 if loc != own_loc and loc != pool_loc and (best < 0 or loc < best):
                     best = loc
     return best
@@ -173,20 +178,20 @@ def _other_namespace(c_first_ns, c_other_ns, c, ns):
 
 @njit(cache=True)
 def _source(masks, row, g, r, pool_loc, n_locs, x):
-    """One group's best source of a block for a request on location ``r`` (a _SRC_ code)."""
-    base = (g * n_locs + r) * 2
-    if _has(masks, row, base):
-        return _SRC_LOCAL
-    if _has(masks, row, base + 1):
-        return _SRC_OFFLOAD
+    """One group's best source of a block for a request on location ``r`` (a SRC_ code)."""
+    base = (g * n_locs + r) * _TIERS
+    for t in range(_TIERS):
+        if _has(masks, row, base + t):
+            return t  # SRC_GPU, SRC_CPU, SRC_DISK
     if x == XFER_OK:
-        return _SRC_REMOTE
+        return SRC_TRANSFER
     if x == XFER_FAILED:
         return _SRC_FAILED
     if pool_loc >= 0:
-        pool = (g * n_locs + pool_loc) * 2
-        if _has(masks, row, pool) or _has(masks, row, pool + 1):
-            return _SRC_REMOTE
+        pool = (g * n_locs + pool_loc) * _TIERS
+        for t in range(_TIERS):
+            if _has(masks, row, pool + t):
+                return SRC_POOL
     return _SRC_NONE
 
 
@@ -239,7 +244,8 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
                 req_t, req_loc, req_tail, req_bs, req_off,
                 blk_h, blk_c, blk_ns, blk_xfer, n_locs, pool_loc, loc_window):
     """Outcome code per needed block, plus holder, removed_ns, remover, other namespace, the
-    cutting group of a miss_group block, and the bit mask of groups that serve or compute it.
+    cutting group of a miss_group block, the bit mask of groups that serve or compute it, and
+    for a hit its serving source (SRC_GPU, SRC_CPU, SRC_DISK, SRC_TRANSFER, SRC_POOL; else -1).
 
     ``req_off`` has one more entry than requests: request i needs blocks
     ``req_off[i]:req_off[i+1]`` (full blocks only, in position order) of ``req_bs[i]`` tokens.
@@ -256,7 +262,8 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     other_ns = np.full(n_blk, -1, np.int32)
     cut_grp = np.full(n_blk, -1, np.int32)
     grp_mask = np.zeros(n_blk, np.int64)
-    n_words = (2 * n_locs * n_groups + _BITS - 1) // _BITS
+    served = np.full(n_blk, -1, np.int8)
+    n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
     max_rows = max(int(np.sum(ev_kind == _STORED)), 1)  # a row per distinct stored block at most
     masks = np.zeros((max_rows, n_words), np.int64)
     removed_ts = np.full(max_rows, -1, np.int64)
@@ -269,7 +276,7 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     c_first_ns = Dict.empty(key_type=types.int64, value_type=types.int64)
     c_other_ns = Dict.empty(key_type=types.int64, value_type=types.int64)
     copies = Dict.empty(key_type=types.int64, value_type=types.int64)  # extra copies per (row, slot)
-    n_slots = 2 * n_locs * n_groups
+    n_slots = _TIERS * n_locs * n_groups
     most = 1
     for i in range(req_t.shape[0]):
         most = max(most, req_off[i + 1] - req_off[i])
@@ -288,7 +295,7 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
                 _clear(masks, n_rows, loc, ev_tier[k], ev_ts[k], removed_ts, remover, n_locs, n_groups,
                        copies)
             else:
-                slot = (ev_grp[k] * n_locs + loc) * 2 + ev_tier[k]
+                slot = (ev_grp[k] * n_locs + loc) * _TIERS + ev_tier[k]
                 row = _row(rows, ev_h[k])
                 if kind == _STORED:
                     if row < 0:
@@ -340,13 +347,13 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
         for kk in range(n):
             j = b0 + kk
             if kk < hit:
-                best = _SRC_LOCAL
+                best = SRC_GPU
                 mask = np.int64(0)
                 for g in range(n_groups):
                     if grp_on[g] and (grp_need[g] == 0 or kk >= hit - grp_need[g]):
                         best = max(best, src[kk, g])
                         mask |= np.int64(1) << min(g, 62)
-                out[j], grp_mask[j] = _SRC_OUTCOME[best], mask
+                out[j], grp_mask[j], served[j] = _SRC_OUTCOME[best], mask, best
                 continue
             grp_mask[j] = every
             if kk == n - 1 and not tail and whole:
@@ -356,7 +363,7 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
             else:
                 _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfer, blk_c, blk_ns,
                       c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)
-    return out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask
+    return out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served
 
 
 @njit(cache=True)

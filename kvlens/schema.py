@@ -208,6 +208,12 @@ REQUESTS = Table("requests", "lake", "One row per request.", (
     _c("queue_ms", "DOUBLE", "time in queue", "ms"),
     _c("prefill_ms", "DOUBLE", "time in prefill", "ms"),
     _c("source", "VARCHAR", "format the row came from (mooncake, bailian, gateway, otlp, sim, ...)"),
+    _c("cached_device_tokens", "INTEGER", "of cached_tokens, served from the GPU, when the engine says "
+       "(SGLang cached_tokens_details.device)", "tokens"),
+    _c("cached_host_tokens", "INTEGER", "of cached_tokens, loaded from host memory, when the engine says "
+       "(SGLang cached_tokens_details.host)", "tokens"),
+    _c("cached_storage_tokens", "INTEGER", "of cached_tokens, loaded from storage or a shared pool, when the "
+       "engine says (SGLang cached_tokens_details.storage: its L3)", "tokens"),
 ), time_column="arrival_ns")
 
 REQUEST_BLOCKS = Table("request_blocks", "lake", "One row per block a request's prompt needs.", (
@@ -290,6 +296,8 @@ BLOCK_OUTCOMES = Table("block_outcomes", "analysis", "One outcome per needed ful
     _c("cut_group", "INTEGER", "for miss_group: the KV cache group (group_idx) that cut the hit short"),
     _c("reusable", "BOOLEAN", "an earlier request of the scenario needed the same block: an unbounded "
        "cache could have served it"),
+    _c("origin", "VARCHAR", "for a hit: where it was served from: gpu, cpu, disk, pool, or the replica a "
+       "transfer came from"),
 ))
 
 MISS_LEDGER = Table("miss_ledger", "analysis", "Blocks, tokens and bytes per outcome per replica.", (
@@ -315,6 +323,11 @@ REQUEST_LEDGER = Table("request_ledger", "analysis",
        "residency unknown", "tokens"),
     _c("reusable_tokens", "BIGINT", "tokens of blocks an earlier request needed: what an unbounded cache "
        "could have served", "tokens"),
+    _c("device_hit_tokens", "BIGINT", "of hit_tokens, served from the serving replica's GPU", "tokens"),
+    _c("host_hit_tokens", "BIGINT", "of hit_tokens, loaded from its CPU tier", "tokens"),
+    _c("disk_hit_tokens", "BIGINT", "of hit_tokens, loaded from its disk tier", "tokens"),
+    _c("remote_hit_tokens", "BIGINT", "of hit_tokens, loaded from the shared pool or another replica",
+       "tokens"),
     _c("cached_tokens", "BIGINT", "prefix-cache hit tokens as the engine reported, when known", "tokens"),
     _c("dominant_miss", "outcome", "the miss outcome with the most tokens; NULL for a full hit"),
     _c("ttft_ms", "DOUBLE", "time to first token", "ms"),
@@ -551,11 +564,44 @@ RECONCILIATION = Table("reconciliation", "analysis",
        "tokens"),
 ))
 
+TIER_RECONCILIATION = Table(
+    "tier_reconciliation", "analysis",
+    "Hit tokens by source per replica: the ledger's, the engine's per request, its counters'.", (
+    *_OUTCOME_KEY,
+    _c("source", "VARCHAR", "device (GPU), host (CPU), disk, or remote (the shared pool, a peer, a "
+       "connector)"),
+    _c("ledger_hit_tokens", "BIGINT", "hit tokens the ledger attributes to the source", "tokens"),
+    _c("reported_tokens", "BIGINT", "the requests' own split of cached tokens (SGLang "
+       "cached_tokens_details), when reported", "tokens"),
+    _c("engine_counter_tokens", "BIGINT", "increase of vllm:prompt_tokens_cached_by_source (p2p and "
+       "external_unspecified as remote) or sglang:cached_tokens{cache_source}, when scraped", "tokens"),
+    _c("difference_tokens", "BIGINT", "the counter, else the reported split, minus the ledger", "tokens"),
+))
+
+TIER_PAYOFF = Table("tier_payoff", "analysis",
+                    "Per location and tier: blocks stored, demoted and evicted, and the hits it served.", (
+    _SCENARIO,
+    _c("replica", "VARCHAR", "the location: a replica, or `pool`"),
+    _c("tier", "VARCHAR", "gpu, cpu, disk or pool"),
+    _c("stored_blocks", "BIGINT", "store events into the tier (physical copies written)", "blocks"),
+    _c("stored_bytes", "BIGINT", "their KV bytes", "bytes"),
+    _c("removed_blocks", "BIGINT", "removal events from the tier", "blocks"),
+    _c("demoted_blocks", "BIGINT", "gpu tier: removals whose block stayed on a lower tier of the location "
+       "(a demotion, not an eviction)", "blocks"),
+    _c("evicted_blocks", "BIGINT", "removals that were not demotions", "blocks"),
+    _c("hit_blocks", "BIGINT", "hits the tier served", "blocks"),
+    _c("hit_tokens", "BIGINT", "their tokens", "tokens"),
+    _c("hit_bytes", "BIGINT", "their KV bytes", "bytes"),
+    _c("served_per_stored_ratio", "DOUBLE", "hit bytes over stored bytes", "ratio"),
+    _c("paid_off", "BOOLEAN", "the tier served at least the bytes written to it; NULL when nothing was "
+       "stored"),
+))
+
 LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
     SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REQUEST_SOURCES, REUSE, MRC, CAPACITY,
     TTL_COVERAGE, FLOWS, FANOUT, LATENCY_TAILS, PREFIX_RANKING, CROSSOVER, HYGIENE, ISOLATION_FINDINGS,
-    WARMUP, RECONCILIATION,
+    WARMUP, RECONCILIATION, TIER_RECONCILIATION, TIER_PAYOFF,
 )
 TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}
 

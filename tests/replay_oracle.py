@@ -13,8 +13,9 @@ from typing import Any
 from kvlens.schema import Outcome
 
 CODE = {o: i for i, o in enumerate(Outcome)}
-LOCAL, OFFLOAD, REMOTE, FAILED, NONE = 0, 1, 2, 3, 4
-HIT = {LOCAL: CODE[Outcome.HIT_LOCAL], OFFLOAD: CODE[Outcome.HIT_OFFLOAD], REMOTE: CODE[Outcome.HIT_REMOTE]}
+GPU, CPU, DISK, TRANSFER, POOL, FAILED, NONE = range(7)  # a block's sources, slowest last
+HIT = {GPU: CODE[Outcome.HIT_LOCAL], CPU: CODE[Outcome.HIT_OFFLOAD], DISK: CODE[Outcome.HIT_OFFLOAD],
+       TRANSFER: CODE[Outcome.HIT_REMOTE], POOL: CODE[Outcome.HIT_REMOTE]}
 
 
 def _sliding_hit(avail: list[bool], m: int, need: int) -> int:
@@ -47,7 +48,7 @@ def replay_py(ev_ts: Any, ev_kind: Any, ev_loc: Any, ev_tier: Any, ev_grp: Any, 
     content_ns: dict[int, list[int]] = {}  # content -> distinct namespaces in store order
     n_blk = len(blk_h)
     out, holder, rem_ts, rem_loc, other = ([-1] * n_blk for _ in range(5))
-    cut_grp, mask = [-1] * n_blk, [0] * n_blk
+    cut_grp, mask, served = [-1] * n_blk, [0] * n_blk, [-1] * n_blk
     ev = list(zip(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, strict=True))
     published = {(int(e[2]), int(e[4])) for e in ev if int(e[1]) != 2}  # (loc, group), whole stream
     k = 0
@@ -88,16 +89,15 @@ def replay_py(ev_ts: Any, ev_kind: Any, ev_loc: Any, ev_tier: Any, ev_grp: Any, 
 
         def source(j: int, g: int, r: int = r) -> int:
             h, x = int(blk_h[j]), int(blk_xfer[j])
-            if (h, g, r, 0) in copies:
-                return LOCAL
-            if (h, g, r, 1) in copies:
-                return OFFLOAD
+            for tier, name in ((0, GPU), (1, CPU), (2, DISK)):
+                if (h, g, r, tier) in copies:
+                    return name
             if x == 1:
-                return REMOTE
+                return TRANSFER
             if x == 2:
                 return FAILED
-            if pool_loc >= 0 and ((h, g, pool_loc, 0) in copies or (h, g, pool_loc, 1) in copies):
-                return REMOTE
+            if pool_loc >= 0 and any((h, g, pool_loc, tier) in copies for tier in range(3)):
+                return POOL
             return NONE
 
         src = {g: [source(b0 + kk, g) for kk in range(n)] for g in groups}
@@ -122,7 +122,8 @@ def replay_py(ev_ts: Any, ev_kind: Any, ev_loc: Any, ev_tier: Any, ev_grp: Any, 
             j = b0 + kk
             if kk < hit:
                 serving = [g for g in groups if need[g] == 0 or kk >= hit - need[g]]
-                out[j] = HIT[max([src[g][kk] for g in serving], default=LOCAL)]
+                served[j] = max([src[g][kk] for g in serving], default=GPU)
+                out[j] = HIT[served[j]]
                 mask[j] = sum(1 << g for g in serving)
                 continue
             mask[j] = every
@@ -148,4 +149,4 @@ def replay_py(ev_ts: Any, ev_kind: Any, ev_loc: Any, ev_tier: Any, ev_grp: Any, 
                     out[j], other[j] = CODE[Outcome.MISS_INCOMPATIBLE], others[0]
                 else:
                     out[j] = CODE[Outcome.MISS_COLD]
-    return out, holder, rem_ts, rem_loc, other, cut_grp, mask
+    return out, holder, rem_ts, rem_loc, other, cut_grp, mask, served

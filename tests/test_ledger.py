@@ -301,7 +301,7 @@ def replay_inputs(draw: st.DrawFn, min_locs: int = 1, max_locs: int = 3) -> tupl
         st.integers(0, 40),  # ts
         st.sampled_from([0, 0, 0, 1, 1, 2]),  # stored, removed, cleared
         st.integers(0, n_locs - 1),
-        st.sampled_from([0, 1, 1, -1]),  # tier; -1 (both) only for a clear
+        st.sampled_from([0, 1, 2, 1, -1]),  # tier: gpu, cpu, disk; -1 (all) only for a clear
         st.integers(0, n_groups - 1),  # group
         st.sampled_from(_HASHES),
         st.sampled_from(_CONTENTS),
@@ -336,7 +336,8 @@ def replay_inputs(draw: st.DrawFn, min_locs: int = 1, max_locs: int = 3) -> tupl
 def _assert_core_equals_oracle(args: tuple[Any, ...]) -> None:
     core = replay_core(*args)
     oracle = replay_py(*args)
-    names = ("outcome", "holder", "removed_ts", "remover", "other_namespace", "cut_group", "group_mask")
+    names = ("outcome", "holder", "removed_ts", "remover", "other_namespace", "cut_group", "group_mask",
+             "source")
     for name, got, want in zip(names, core, oracle, strict=True):
         assert np.asarray(got).tolist() == list(want), name
 

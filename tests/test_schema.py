@@ -37,7 +37,7 @@ def test_design_tables_are_all_declared() -> None:
         "scenarios", "block_outcomes", "miss_ledger", "request_ledger", "request_sources", "reuse",
         "mrc", "capacity", "ttl_coverage", "flows", "fanout", "latency_tails", "prefix_ranking", "crossover",
         "hygiene",
-        "isolation_findings", "warmup", "reconciliation",
+        "isolation_findings", "warmup", "reconciliation", "tier_reconciliation", "tier_payoff",
     }
 
 
