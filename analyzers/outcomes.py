@@ -159,7 +159,7 @@ def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRe
                           .when(pl.col("ok")).then(XFER_OK).otherwise(XFER_FAILED))
             .sort("lookup_ns", "arrival_ns", "request_id", "position")
             # An unbounded cache serves every block some earlier request already needed.
-            .with_columns(reusable=pl.int_range(pl.len()).over("block_hash") > 0))
+            .with_columns(reusable=~pl.col("block_hash").is_first_distinct()))
     return req, full
 
 
@@ -222,17 +222,19 @@ def block_outcomes(
         "removed_ns": pl.Series(rem_ts, dtype=pl.Int64).replace(-1, None),
         "remover": locs.decode(rem_loc),
         "key_diff": spaces.decode(other_ns),
-        "cut_group": pl.Series([group_idx[c] if c >= 0 else None for c in cut.tolist()], dtype=pl.Int32),
+        "cut_group": pl.Series(np.asarray(group_idx, np.int32)[np.maximum(cut, 0)], dtype=pl.Int32)
+        .set(pl.Series(cut < 0), None),
         "reusable": full["reusable"],
         "origin": _origins(source, full["origin"]),
     })
 
 
-def _origins(source: np.ndarray, transfer_origin: pl.Series) -> list[str | None]:
+def _origins(source: np.ndarray, transfer_origin: pl.Series) -> pl.Series:
     """Where each hit came from: gpu, cpu, disk, pool, or a transfer's origin (else NULL)."""
-    origins = transfer_origin.cast(pl.Utf8).to_list()
-    return [(origins[i] or Medium.POOL.value) if s == SRC_TRANSFER else _ORIGINS.get(s)
-            for i, s in enumerate(source.tolist())]
+    src = pl.Series(source)
+    tier = src.replace_strict(_ORIGINS, default=None, return_dtype=pl.Utf8)
+    moved = transfer_origin.cast(pl.Utf8).fill_null(Medium.POOL.value)
+    return pl.select(pl.when(src == SRC_TRANSFER).then(moved).otherwise(tier)).to_series().alias("origin")
 
 
 def _bytes(tokens: pl.Series, served: np.ndarray, group_idx: list[int], bytes_per_token: int,

@@ -79,28 +79,34 @@ _NO_ROW = np.int64(-1)
 _BITS = 63  # per int64 word; a multiple of 3, so a location's tier bits sit in one word
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _row(rows, h):
-    """The block's dense row, or -1 if it was never stored (typed-dict get is Optional)."""
-    if h in rows:
-        return rows[h]
-    return _NO_ROW
+    """The block's dense row, or -1 if it was never stored (one hash probe)."""
+    return rows.get(h, -1) + 0  # the arithmetic unboxes the Optional get() returns
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _has(masks, row, slot):
     return row >= 0 and (masks[row, slot // _BITS] >> (slot % _BITS)) & 1 == 1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _drop(masks, row, slot, ts, loc, removed_ts, remover):
     masks[row, slot // _BITS] &= ~(np.int64(1) << (slot % _BITS))
     removed_ts[row] = ts
     remover[row] = loc
 
 
+@njit(cache=True, inline="always")
+def _set(bits, row, slot, on):
+    if on:
+        bits[row, slot // _BITS] |= np.int64(1) << (slot % _BITS)
+    else:
+        bits[row, slot // _BITS] &= ~(np.int64(1) << (slot % _BITS))
+
+
 @njit(cache=True)
-def _clear(masks, n_rows, loc, tier, ts, removed_ts, remover, n_locs, n_groups, copies):
+def _clear(masks, extra, n_rows, loc, tier, ts, removed_ts, remover, n_locs, n_groups, copies):
     n_slots = _TIERS * n_locs * n_groups
     for g in range(n_groups):
         for t in range(_TIERS):
@@ -109,32 +115,38 @@ def _clear(masks, n_rows, loc, tier, ts, removed_ts, remover, n_locs, n_groups, 
                 for row in range(n_rows):
                     if _has(masks, row, slot):
                         _drop(masks, row, slot, ts, loc, removed_ts, remover)
-                        key = row * n_slots + slot
-                        if key in copies:
-                            del copies[key]
+                        if _has(extra, row, slot):
+                            _set(extra, row, slot, False)
+                            del copies[row * n_slots + slot]
 
 
-@njit(cache=True)
-def _store(masks, row, slot, key, copies):
+@njit(cache=True, inline="always")
+def _store(masks, extra, row, slot, key, copies):
+    """One more physical copy; the extra copies of a (row, slot) beyond the first live in ``copies``,
+    flagged in ``extra`` so that a removal of a single copy needs no dict look-up."""
     if _has(masks, row, slot):
-        copies[key] = copies.get(key, 0) + 1  # one more physical copy of a resident block
+        copies[key] = copies.get(key, 0) + 1
+        _set(extra, row, slot, True)
     else:
-        masks[row, slot // _BITS] |= np.int64(1) << (slot % _BITS)
+        _set(masks, row, slot, True)
 
 
-@njit(cache=True)
-def _remove(masks, row, slot, key, left, ts, loc, removed_ts, remover, copies):
+@njit(cache=True, inline="always")
+def _remove(masks, extra, row, slot, key, left, ts, loc, removed_ts, remover, copies):
     """One copy gone (or, with ``left`` >= 0, exactly ``left`` copies remain)."""
     if not _has(masks, row, slot):
         return
-    extra = copies.get(key, 0) if left < 0 else left
-    if extra > 0:
-        copies[key] = extra - 1 if left < 0 else left - 1
-        if copies[key] == 0:
-            del copies[key]
+    more = _has(extra, row, slot)
+    after = left if left >= 0 else (copies[key] if more else 0)  # copies left after this removal
+    if after > 1:
+        copies[key] = after - 1
+        _set(extra, row, slot, True)
         return
-    if key in copies:
+    if more:
         del copies[key]
+        _set(extra, row, slot, False)
+    if after == 1:
+        return
     _drop(masks, row, slot, ts, loc, removed_ts, remover)
 
 
@@ -144,13 +156,16 @@ def _holder(masks, row, own_loc, pool_loc, n_words, n_locs):
     best = -1
     for w in range(n_words):
         m = masks[row, w]
-        if m == 0:
-            continue
-        for b in range(_BITS):
-            if (m >> b) & 1 == 1:
+        b = 0
+        while m != 0:
+            if m & 1 == 1:
                 loc = ((w * _BITS + b) // _TIERS) % n_locs
                 if loc != own_loc and loc != pool_loc and (best < 0 or loc < best):
                     best = loc
+                    if w * _BITS + b < n_locs * _TIERS:  # group 0: slots ascend with the location
+                        return best
+            m >>= 1
+            b += 1
     return best
 
 
@@ -176,23 +191,27 @@ def _other_namespace(c_first_ns, c_other_ns, c, ns):
     return -1
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _source(masks, row, g, r, pool_loc, n_locs, x):
     """One group's best source of a block for a request on location ``r`` (a SRC_ code)."""
-    base = (g * n_locs + r) * _TIERS
-    for t in range(_TIERS):
-        if _has(masks, row, base + t):
-            return t  # SRC_GPU, SRC_CPU, SRC_DISK
+    here = _tier_bits(masks, row, (g * n_locs + r) * _TIERS)
+    if here != 0:
+        return 0 if here & 1 else 1 if here & 2 else 2  # SRC_GPU, SRC_CPU, SRC_DISK
     if x == XFER_OK:
         return SRC_TRANSFER
     if x == XFER_FAILED:
         return _SRC_FAILED
-    if pool_loc >= 0:
-        pool = (g * n_locs + pool_loc) * _TIERS
-        for t in range(_TIERS):
-            if _has(masks, row, pool + t):
-                return SRC_POOL
+    if pool_loc >= 0 and _tier_bits(masks, row, (g * n_locs + pool_loc) * _TIERS) != 0:
+        return SRC_POOL
     return _SRC_NONE
+
+
+@njit(cache=True, inline="always")
+def _tier_bits(masks, row, base):
+    """A location's three tier bits (gpu 1, cpu 2, disk 4) in one load: they share a word."""
+    if row < 0:
+        return 0
+    return (masks[row, base // _BITS] >> (base % _BITS)) & 7
 
 
 @njit(cache=True)
@@ -266,6 +285,7 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
     max_rows = max(int(np.sum(ev_kind == _STORED)), 1)  # a row per distinct stored block at most
     masks = np.zeros((max_rows, n_words), np.int64)
+    extra = np.zeros((max_rows, n_words), np.int64)  # slots holding more than one copy
     removed_ts = np.full(max_rows, -1, np.int64)
     remover = np.full(max_rows, -1, np.int64)
     loc_grp = np.zeros((n_locs, n_groups), np.bool_)  # groups a location publishes, in the whole stream
@@ -292,21 +312,23 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
         while k < n_ev and ev_ts[k] < t:
             kind, loc = ev_kind[k], np.int64(ev_loc[k])
             if kind == _CLEARED:
-                _clear(masks, n_rows, loc, ev_tier[k], ev_ts[k], removed_ts, remover, n_locs, n_groups,
-                       copies)
+                _clear(masks, extra, n_rows, loc, ev_tier[k], ev_ts[k], removed_ts, remover, n_locs,
+                       n_groups, copies)
             else:
                 slot = (ev_grp[k] * n_locs + loc) * _TIERS + ev_tier[k]
                 row = _row(rows, ev_h[k])
                 if kind == _STORED:
-                    if row < 0:
+                    if row < 0:  # a block never stored before: its first copy
                         row = n_rows
                         rows[ev_h[k]] = row
                         n_rows += 1
-                    _store(masks, row, slot, row * n_slots + slot, copies)
+                        _set(masks, row, slot, True)
+                    else:
+                        _store(masks, extra, row, slot, row * n_slots + slot, copies)
                     _note_content(c_first_ns, c_other_ns, ev_c[k], ev_ns[k])
                 elif row >= 0:
-                    _remove(masks, row, slot, row * n_slots + slot, ev_left[k], ev_ts[k], loc, removed_ts,
-                            remover, copies)
+                    _remove(masks, extra, row, slot, row * n_slots + slot, ev_left[k], ev_ts[k], loc,
+                            removed_ts, remover, copies)
             k += 1
         b0, b1 = req_off[i], req_off[i + 1]
         n = b1 - b0
@@ -328,9 +350,16 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
             out[b0:b1] = _UNOBSERVED
             continue
         every = np.int64(0)
+        g0 = -1
         for g in range(n_groups):
             if grp_on[g]:
                 every |= np.int64(1) << min(g, 62)
+                g0 = g
+        if n_on == 1 and n_full == 1:
+            _dense(b0, n, g0, r, req_tail[i], every, rows, masks, pool_loc, n_locs, n_words, blk_h, blk_xfer,
+                   blk_c, blk_ns, c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc,
+                   other_ns, grp_mask, served)
+            continue
         for kk in range(n):
             row = _row(rows, blk_h[b0 + kk])
             brow[kk] = row
@@ -366,6 +395,71 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     return out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served
 
 
+@njit(cache=True, inline="always")
+def _dense(b0, n, g, r, tail, every, rows, masks, pool_loc, n_locs, n_words, blk_h, blk_xfer, blk_c,
+           blk_ns, c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns,
+           grp_mask, served):
+    """One request on a location with one full-attention group (a dense model): the hybrid rule
+    reduces to the chain rule, decided in one pass (the same decisions as the general path, written
+    out: this loop is most of the ledger's time)."""
+    here = (g * n_locs + r) * _TIERS
+    pool_at = (g * n_locs + pool_loc) * _TIERS if pool_loc >= 0 else -1
+    chain = True
+    for j in range(b0, b0 + n):
+        row = _row(rows, blk_h[j])
+        gpu = _has(masks, row, here)
+        cpu = _has(masks, row, here + 1)
+        disk = _has(masks, row, here + 2)
+        x = blk_xfer[j]
+        pooled = pool_at >= 0 and (_has(masks, row, pool_at) or _has(masks, row, pool_at + 1)
+                                   or _has(masks, row, pool_at + 2))
+        grp_mask[j] = every
+        if chain and gpu:
+            out[j] = _HIT_LOCAL
+            served[j] = SRC_GPU
+        elif chain and (cpu or disk):
+            out[j] = _HIT_OFFLOAD
+            served[j] = SRC_CPU if cpu else SRC_DISK
+        elif chain and x == XFER_OK:
+            out[j] = _HIT_REMOTE
+            served[j] = SRC_TRANSFER
+        elif chain and pooled and x != XFER_FAILED:
+            out[j] = _HIT_REMOTE
+            served[j] = SRC_POOL
+        elif x == XFER_FAILED:
+            out[j] = _LOAD_FAILED
+            chain = False
+        elif gpu or cpu or disk or x == XFER_OK or pooled:
+            out[j] = _AFTER_GAP
+            chain = False
+        else:  # _cause's decisions, written out: a call per block would pay reference counting
+            chain = False
+            where = _holder(masks, row, r, pool_loc, n_words, n_locs) if row >= 0 else -1
+            if where >= 0:
+                out[j], holder[j] = _ROUTING, where
+            elif row >= 0:
+                out[j], rem_ts[j], rem_loc[j] = _EVICTED, removed_ts[row], remover[row]
+            else:
+                other_ns[j] = _other_namespace(c_first_ns, c_other_ns, blk_c[j], blk_ns[j])
+                out[j] = _INCOMPATIBLE if other_ns[j] >= 0 else _COLD
+    if chain and not tail:
+        out[b0 + n - 1], served[b0 + n - 1] = _RECOMPUTED_LAST, -1
+
+
+@njit(cache=True, inline="always")
+def _cause(j, row, masks, r, pool_loc, n_words, n_locs, blk_c, blk_ns, c_first_ns, c_other_ns, removed_ts,
+           remover, out, holder, rem_ts, rem_loc, other_ns):
+    """A block available nowhere to the request: held elsewhere, evicted, stored under another key, cold."""
+    where = _holder(masks, row, r, pool_loc, n_words, n_locs) if row >= 0 else -1
+    if where >= 0:
+        out[j], holder[j] = _ROUTING, where
+    elif row >= 0:  # stored somewhere before, resident nowhere now
+        out[j], rem_ts[j], rem_loc[j] = _EVICTED, removed_ts[row], remover[row]
+    else:
+        other_ns[j] = _other_namespace(c_first_ns, c_other_ns, blk_c[j], blk_ns[j])
+        out[j] = _INCOMPATIBLE if other_ns[j] >= 0 else _COLD
+
+
 @njit(cache=True)
 def _all_on(src, grp_on, kk):
     """Block ``kk`` is available in every group of the request."""
@@ -375,7 +469,7 @@ def _all_on(src, grp_on, kk):
     return True
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")
 def _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfer, blk_c, blk_ns,
           c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns):
     """A block past the hit that no group cut short: DESIGN.md's miss causes, in order."""
@@ -386,12 +480,5 @@ def _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfe
         if grp_on[g] and src[kk, g] < _SRC_FAILED:
             out[j] = _AFTER_GAP
             return
-    row = brow[kk]
-    where = _holder(masks, row, r, pool_loc, n_words, n_locs) if row >= 0 else -1
-    if where >= 0:
-        out[j], holder[j] = _ROUTING, where
-    elif row >= 0:  # stored somewhere before, resident nowhere now
-        out[j], rem_ts[j], rem_loc[j] = _EVICTED, removed_ts[row], remover[row]
-    else:
-        other_ns[j] = _other_namespace(c_first_ns, c_other_ns, blk_c[j], blk_ns[j])
-        out[j] = _INCOMPATIBLE if other_ns[j] >= 0 else _COLD
+    _cause(j, brow[kk], masks, r, pool_loc, n_words, n_locs, blk_c, blk_ns, c_first_ns, c_other_ns,
+           removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)
