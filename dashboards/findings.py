@@ -159,8 +159,8 @@ def _unobserved_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str
     return [f"In {s}, {fmt_pct(share)} of prompt tokens (their full blocks) ran on replicas that "
             "published no KV events (unobserved): whether they were cached is unknown, so they are counted "
             f"neither as hits nor as misses. An unbounded cache could have served {fmt_pct(reusable)} of "
-            "those requests' prompt tokens (modelled: every full block an earlier request needed, no capacity "
-            "limit)."
+            "those requests' prompt tokens (modelled: every full block an earlier request needed, no "
+            "capacity limit)."
             for s, share, reusable in rows(con, UNOBSERVED_SQL, p)]
 
 
