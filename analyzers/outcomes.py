@@ -84,6 +84,7 @@ def _events(kv_events: duckdb.DuckDBPyRelation, scenario: str, locs: _Codes,
     ev = _scenario(kv_events, scenario, "ts_ns", "seq", "replica", "kind", "block_hash", "medium",
                    "content_hash", "namespace", "group_idx", "spec_kind", "sliding_window_tokens",
                    "remaining_copies")
+    ev = ev.filter(pl.col("kind").cast(pl.Utf8).is_in(list(_KIND_CODES)))  # inactive changes no residency
     # Stable: events with equal time and sequence keep the order the collector wrote them in.
     order = np.lexsort((ev["seq"].fill_null(0).to_numpy(), ev["ts_ns"].fill_null(0).to_numpy()))
     ev = ev[order]

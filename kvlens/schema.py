@@ -46,6 +46,7 @@ class EventKind(enum.StrEnum):
     STORED = "stored"
     REMOVED = "removed"
     CLEARED = "cleared"
+    INACTIVE = "inactive"  # newer vLLM's BlockInactive: still cached, no request references it
 
 
 class Medium(enum.StrEnum):
@@ -170,7 +171,8 @@ KV_EVENTS = Table("kv_events", "lake", "One row per block hash per KV-cache even
     _c("replica", "VARCHAR", "serving replica (engine instance) that emitted the event"),
     _c("dp_rank", "INTEGER", "data-parallel rank within the replica, when reported"),
     _c("seq", "UBIGINT", "publisher's batch sequence number"),
-    _c("kind", "event_kind", "stored, removed, or cleared (a cleared row has no block)"),
+    _c("kind", "event_kind", "stored, removed, cleared (a cleared row has no block) or inactive (still "
+       "cached, no request references it)"),
     _c("block_hash", "UBIGINT", "engine block hash, normalised to unsigned 64-bit"),
     _c("parent_hash", "UBIGINT", "hash of the previous block in the chain; NULL for a root"),
     _c("position", "INTEGER", "block index in its chain when known", "blocks"),
