@@ -12,6 +12,7 @@ Then the per-tier payoff table and the reconciliation with per-source engine cou
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -160,3 +161,26 @@ def test_tier_attribution_reconciles_with_the_engines_per_source_counters(
         ("S", "device", 16, 16, None, 0),
         ("S", "remote", 16, 16, None, 0),
     ]
+
+
+def test_the_gateway_log_carries_sglangs_per_tier_split(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvlens.cli import cli
+
+    line = {"request_id": "g1", "arrival_ns": at(1), "replica": "S", "prompt_tokens": 40, "block_size": 16,
+            "block_hashes": [1, 2, 3], "cached_tokens": 32,
+            "cached_tokens_details": {"device": 16, "host": 0, "storage": 16, "storage_backend": "mooncake"}}
+    good, bad = tmp_path / "good.jsonl", tmp_path / "bad.jsonl"
+    good.write_text(json.dumps(line) + "\n")
+    bad.write_text(json.dumps({**line, "cached_tokens_details": {"device": "16"}}) + "\n")
+    lake = tmp_path / "lake"
+    runner = CliRunner()
+    assert runner.invoke(cli, ["import", "gateway", str(good), "--lake", str(lake)]).exit_code == 0
+    c = duckdb.connect()
+    open_lake(c, lake)
+    assert c.execute("SELECT cached_device_tokens, cached_host_tokens, cached_storage_tokens "
+                     "FROM requests").fetchall() == [(16, 0, 16)]
+    c.close()
+    result = runner.invoke(cli, ["import", "gateway", str(bad), "--lake", str(lake)])
+    assert result.exit_code == 1 and "cached_tokens_details" in result.output
