@@ -22,6 +22,7 @@ from typing import Any
 import duckdb
 import msgspec
 import pytest
+from click.testing import CliRunner
 
 from analyzers import block_outcomes
 from collector.vllm_events import (
@@ -32,6 +33,7 @@ from collector.vllm_events import (
     import_capture,
     split_snapshot_reply,
 )
+from kvlens.cli import cli
 from kvlens.lake import SegmentWriter, open_lake
 
 
@@ -158,6 +160,9 @@ def test_a_parent_never_announced_keeps_the_blocks_without_a_chain(tmp_path: Pat
     assert _outcomes_after(capture, tmp_path, [H2, H3], replica="decode-0") == ["hit_local", "hit_local"]
     counts = import_capture([capture], tmp_path / "lake2", scenario="c")
     assert counts["unannounced_parents"] == 1
+    result = CliRunner().invoke(cli, ["import", "vllm-events", str(capture), "--lake",
+                                      str(tmp_path / "lake3")])
+    assert result.exit_code == 0 and "1 stores whose parent was never announced" in result.output
 
 
 def test_a_snapshot_reply_bootstraps_the_replica_state() -> None:
