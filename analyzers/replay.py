@@ -407,13 +407,17 @@ def _dense(b0, n, g, r, tail, every, rows, masks, pool_loc, n_locs, n_words, blk
     chain = True
     for j in range(b0, b0 + n):
         row = _row(rows, blk_h[j])
+        grp_mask[j] = every
         gpu = _has(masks, row, here)
+        if chain and gpu:  # the common hit first: nothing else to look up
+            out[j] = _HIT_LOCAL
+            served[j] = SRC_GPU
+            continue
         cpu = _has(masks, row, here + 1)
         disk = _has(masks, row, here + 2)
         x = blk_xfer[j]
         pooled = pool_at >= 0 and (_has(masks, row, pool_at) or _has(masks, row, pool_at + 1)
                                    or _has(masks, row, pool_at + 2))
-        grp_mask[j] = every
         if chain and gpu:
             out[j] = _HIT_LOCAL
             served[j] = SRC_GPU
