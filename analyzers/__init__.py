@@ -29,13 +29,14 @@ from analyzers.reconcile import reconcile
 from analyzers.request_ledger import request_ledger
 from analyzers.reuse import access_stream, reuse
 from analyzers.tails import latency_tails
+from analyzers.tiers import tier_payoff, tier_reconciliation
 from analyzers.warmup import warmup
-from kvlens.models import ModelGeometry
+from kvlens.models import ModelGeometry, group_bytes_per_token
 
 __all__ = [
     "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity", "fanout", "flows",
     "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger", "mrc", "prefix_ranking",
-    "reconcile", "request_ledger", "reuse", "ttl_coverage", "warmup",
+    "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation", "ttl_coverage", "warmup",
 ]
 
 # SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
@@ -67,7 +68,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     outcomes = block_outcomes(
         requests=requests, request_blocks=con.table("request_blocks"),
         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
-        scenario=scenario, bytes_per_token=per_token)
+        scenario=scenario, bytes_per_token=per_token, group_bytes_per_token=group_bytes_per_token(model))
     per_request = request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario)
     origin = scenario_provenance(requests=requests, scenario=scenario)
     yield "scenarios", pl.DataFrame({
@@ -101,6 +102,12 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         yield "reconciliation", reconcile(metric_samples=con.table("metric_samples"),
                                           request_ledger=per_request, scenario=scenario,
                                           metrics_scenario=metrics_scenario)
+    yield "tier_reconciliation", tier_reconciliation(
+        block_outcomes=outcomes, requests=requests, metric_samples=con.table("metric_samples"),
+        scenario=scenario, metrics_scenario=metrics_scenario)
+    yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=con.table("kv_events"),
+                                     scenario=scenario, bytes_per_token=per_token,
+                                     group_bytes_per_token=group_bytes_per_token(model))
     stream = access_stream(con.table("request_blocks"), scenario, per_token, requests)
     yield "reuse", reuse(request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
                          bytes_per_token=per_token, scenario=scenario, stream=stream)

@@ -5,21 +5,46 @@ replays the cache state (analyzers/replay.py) and labels each full block with DE
 outcome. The look-up time of a request is its arrival plus its queue time when known: the
 moment the engine consults its prefix cache. Partial tails are not needed blocks: they are
 ``tail_partial`` tokens (analyzers/request_ledger.py), never a hit or a miss.
+
+KV cache groups (hybrid models) come from the events: ``group_idx`` (NULL: group 0) with the
+spec kind and sliding window the engine published for it; a group without a sliding window is
+full attention. Events with medium ``pool`` (SGLang's EXTERNAL / L3 tier, the simulator's pool),
+or from the location ``pool``, live in the shared pool, whichever replica published them.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import duckdb
 import numpy as np
 import polars as pl
 
-from analyzers.replay import OUTCOME_CODES, XFER_FAILED, XFER_NONE, XFER_OK, replay_core
+from analyzers.replay import (
+    OUTCOME_CODES,
+    SRC_CPU,
+    SRC_DISK,
+    SRC_GPU,
+    SRC_POOL,
+    SRC_TRANSFER,
+    XFER_FAILED,
+    XFER_NONE,
+    XFER_OK,
+    replay_core,
+)
 from kvlens.schema import Medium
 
-__all__ = ["block_outcomes"]
+__all__ = ["POOL_LOCATION", "block_outcomes"]
 
-_LOWER_TIERS = {Medium.CPU.value, Medium.DISK.value}
+# Replay tiers: 0 the GPU (and the pool's one tier, and an unknown medium), 1 CPU, 2 disk.
+_TIER_CODES = {Medium.CPU.value: 1, Medium.DISK.value: 2}
+_ORIGINS = {SRC_GPU: Medium.GPU.value, SRC_CPU: Medium.CPU.value, SRC_DISK: Medium.DISK.value,
+            SRC_POOL: Medium.POOL.value}
 _KIND_CODES = {"stored": 0, "removed": 1, "cleared": 2}
+# The shared pool's location name (the simulator's pool replica, and where pool-medium events go).
+POOL_LOCATION = Medium.POOL.value
+# vLLM's KVCacheSpecKind values with a sliding window (vllm/v1/kv_cache_interface.py).
+_SLIDING_KINDS = ("sliding_window", "sliding_window_mla")
 
 
 def _scenario(rel: duckdb.DuckDBPyRelation, scenario: str, *cols: str) -> pl.DataFrame:
@@ -53,25 +78,55 @@ class _Codes:
 
 
 def _events(kv_events: duckdb.DuckDBPyRelation, scenario: str, locs: _Codes,
-            spaces: _Codes) -> dict[str, np.ndarray]:
+            spaces: _Codes) -> tuple[dict[str, np.ndarray], pl.DataFrame]:
+    """The replay core's event arrays, and each location's KV cache groups (location code,
+    group_idx, group code, sliding window tokens or 0)."""
     ev = _scenario(kv_events, scenario, "ts_ns", "seq", "replica", "kind", "block_hash", "medium",
-                   "content_hash", "namespace")
+                   "content_hash", "namespace", "group_idx", "spec_kind", "sliding_window_tokens",
+                   "remaining_copies")
+    ev = ev.filter(pl.col("kind").cast(pl.Utf8).is_in(list(_KIND_CODES)))  # inactive changes no residency
     # Stable: events with equal time and sequence keep the order the collector wrote them in.
     order = np.lexsort((ev["seq"].fill_null(0).to_numpy(), ev["ts_ns"].fill_null(0).to_numpy()))
     ev = ev[order]
     medium = ev["medium"].cast(pl.Utf8)
-    tier = np.where(medium.is_in(list(_LOWER_TIERS)).to_numpy(), 1, 0).astype(np.int8)
+    tier = medium.replace_strict(_TIER_CODES, default=0, return_dtype=pl.Int8).fill_null(0).to_numpy().copy()
     kind = ev["kind"].cast(pl.Utf8).replace_strict(_KIND_CODES, return_dtype=pl.Int8).to_numpy()
     tier[(kind == 2) & medium.is_null().to_numpy()] = -1  # a clear without a medium clears all
+    pooled = (medium == Medium.POOL.value).fill_null(False)
+    loc = locs.encode(ev.select(pl.when(pooled).then(pl.lit(POOL_LOCATION)).otherwise(ev["replica"]))
+                      .to_series())
+    ev = ev.with_columns(loc=pl.Series(loc, dtype=pl.Int32), group_idx=pl.col("group_idx").fill_null(0))
+    codes = {g: c for c, g in enumerate(sorted(set(ev["group_idx"].to_list()) or {0}))}
     return {
         "ev_ts": ev["ts_ns"].fill_null(0).to_numpy().astype(np.int64),
         "ev_kind": kind.astype(np.int8),
-        "ev_loc": locs.encode(ev["replica"]),
+        "ev_loc": loc,
         "ev_tier": tier,
+        "ev_grp": ev["group_idx"].replace_strict(codes, return_dtype=pl.Int32).to_numpy(),
         "ev_h": _u64_as_i64(ev["block_hash"]),
         "ev_c": _u64_as_i64(ev["content_hash"]),
         "ev_ns": spaces.encode(ev["namespace"], null=-1),
-    }
+        "ev_left": ev["remaining_copies"].fill_null(-1).to_numpy().astype(np.int64),
+    }, _groups(ev, codes)
+
+
+def _groups(ev: pl.DataFrame, codes: dict[int, int]) -> pl.DataFrame:
+    """Per location and group: its code and the sliding window it published (0: full attention)."""
+    sliding = pl.col("spec_kind").is_in(_SLIDING_KINDS) & (pl.col("sliding_window_tokens") > 0)
+    return (ev.group_by("loc", "group_idx")
+            .agg(pl.col("spec_kind").cast(pl.Utf8).drop_nulls().first(),
+                 pl.col("sliding_window_tokens").drop_nulls().first())
+            .with_columns(code=pl.col("group_idx").replace_strict(codes, return_dtype=pl.Int32),
+                          window=pl.when(sliding).then(pl.col("sliding_window_tokens")).otherwise(0)
+                          .cast(pl.Int64))
+            .sort("loc", "group_idx"))
+
+
+def _windows(groups: pl.DataFrame, n_locs: int, n_groups: int) -> np.ndarray:
+    windows = np.zeros((n_locs, n_groups), np.int64)
+    for loc, code, window in groups.select("loc", "code", "window").iter_rows():
+        windows[loc, code] = window
+    return windows
 
 
 def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
@@ -82,25 +137,30 @@ def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRe
     blocks = _scenario(request_blocks, scenario, "request_id", "position", "block_hash", "content_hash",
                        "block_tokens", "block_size_tokens", "namespace")
     full = blocks.filter(pl.col("block_tokens") >= pl.col("block_size_tokens"))
-    covered = full.group_by("request_id").agg(full_tokens=pl.col("block_tokens").sum())
+    covered = full.group_by("request_id").agg(full_tokens=pl.col("block_tokens").sum(),
+                                              block_size=pl.col("block_size_tokens").max())
     req = (req.join(covered, on="request_id", how="left")
-           .with_columns(pl.col("full_tokens").fill_null(0))
+           .with_columns(pl.col("full_tokens").fill_null(0), pl.col("block_size").fill_null(16))
            .with_columns(tail=pl.col("prompt_tokens").fill_null(pl.col("full_tokens"))
                          > pl.col("full_tokens"))
            .sort("lookup_ns", "arrival_ns", "request_id"))
     # A load is a transfer the serving replica received for this request and block; a store
     # into the pool (received by the pool) is not.
-    xfer = (_scenario(transfers, scenario, "request_id", "block_hash", "status", "replica")
+    xfer = (_scenario(transfers, scenario, "request_id", "block_hash", "status", "replica", "origin")
             .rename({"replica": "receiver"})
             .join(req.select("request_id", "replica"), on="request_id")
             .filter(pl.col("block_hash").is_not_null()
                     & (pl.col("receiver").is_null() | (pl.col("receiver") == pl.col("replica"))))
-            .group_by("request_id", "block_hash").agg(ok=(pl.col("status").cast(pl.Utf8) == "ok").any()))
+            .with_columns(is_ok=pl.col("status").cast(pl.Utf8) == "ok")
+            .group_by("request_id", "block_hash")
+            .agg(ok=pl.col("is_ok").any(), origin=pl.col("origin").filter(pl.col("is_ok")).first()))
     full = (full.join(req.select("request_id", "lookup_ns", "arrival_ns", "replica"), on="request_id")
             .join(xfer, on=["request_id", "block_hash"], how="left")
             .with_columns(xfer=pl.when(pl.col("ok").is_null()).then(XFER_NONE)
                           .when(pl.col("ok")).then(XFER_OK).otherwise(XFER_FAILED))
-            .sort("lookup_ns", "arrival_ns", "request_id", "position"))
+            .sort("lookup_ns", "arrival_ns", "request_id", "position")
+            # An unbounded cache serves every block some earlier request already needed.
+            .with_columns(reusable=~pl.col("block_hash").is_first_distinct()))
     return req, full
 
 
@@ -112,29 +172,41 @@ def block_outcomes(
     transfers: duckdb.DuckDBPyRelation,
     scenario: str,
     bytes_per_token: int,
+    group_bytes_per_token: Sequence[int] | None = None,
 ) -> pl.DataFrame:
     """One row per needed full block per request of ``scenario``.
 
     Columns: scenario, request_id, replica, arrival_ns, position, block_hash, outcome (a
-    kvlens.schema.Outcome value), tokens, bytes (tokens x ``bytes_per_token``), holder (for
-    miss_routing: a location holding it), removed_ns and remover (for miss_evicted: the last
-    removal before the look-up and where), key_diff (for miss_incompatible: the namespace
-    the same content was stored under). Sorted by look-up time, request, position.
+    kvlens.schema.Outcome value), tokens, bytes, holder (for miss_routing: a replica holding it),
+    removed_ns and remover (for miss_evicted: the last removal before the look-up and where),
+    key_diff (for miss_incompatible: the namespace the same content was stored under), cut_group
+    (for miss_group: the group_idx of the KV cache group that cut the hit short), reusable (an
+    earlier request needed the block), origin (for a hit: gpu, cpu, disk, pool, or the replica a
+    transfer came from). Sorted by look-up time, request, position.
+
+    ``bytes`` is tokens x ``bytes_per_token``, unless ``group_bytes_per_token`` gives one rate
+    per KV cache group (group_idx 0, 1, ...) for as many groups as the events name: then a hit
+    counts the groups that served it (a sliding-window group only the blocks of its window) and
+    any other block every group of the request, which computes it.
     """
     req, full = _needed(requests, request_blocks, transfers, scenario)
     locs, spaces = _Codes(), _Codes()
     req_loc = locs.encode(req["replica"])
     blk_ns = spaces.encode(full["namespace"], null=-1)
-    ev = _events(kv_events, scenario, locs, spaces)
+    ev, groups = _events(kv_events, scenario, locs, spaces)
+    group_idx = sorted(set(groups["group_idx"].to_list())) or [0]
+    pool_loc = locs.index.get(POOL_LOCATION, -1)
+    n_locs = max(len(locs.names), 1)
     counts = full.group_by("request_id", maintain_order=True).len()
     per_req = (req.join(counts, on="request_id", how="left", maintain_order="left")["len"]
                .fill_null(0).to_numpy())
     req_off = np.concatenate([[0], np.cumsum(per_req)]).astype(np.int64)
-    out, holder, rem_ts, rem_loc, other_ns = replay_core(
-        ev["ev_ts"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_h"], ev["ev_c"], ev["ev_ns"],
-        req["lookup_ns"].to_numpy().astype(np.int64), req_loc, req["tail"].to_numpy().astype(np.bool_),
-        req_off, _u64_as_i64(full["block_hash"]), _u64_as_i64(full["content_hash"]), blk_ns,
-        full["xfer"].to_numpy().astype(np.int8), max(len(locs.names), 1))
+    out, holder, rem_ts, rem_loc, other_ns, cut, groups_served, source = replay_core(
+        ev["ev_ts"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"], ev["ev_c"],
+        ev["ev_ns"], ev["ev_left"], req["lookup_ns"].to_numpy().astype(np.int64), req_loc,
+        req["tail"].to_numpy().astype(np.bool_), req["block_size"].to_numpy().astype(np.int64), req_off,
+        _u64_as_i64(full["block_hash"]), _u64_as_i64(full["content_hash"]), blk_ns,
+        full["xfer"].to_numpy().astype(np.int8), n_locs, pool_loc, _windows(groups, n_locs, len(group_idx)))
     outcome_names = [o.value for o in OUTCOME_CODES]
     return pl.DataFrame({
         "scenario": [scenario] * len(full),
@@ -145,9 +217,34 @@ def block_outcomes(
         "block_hash": full["block_hash"],
         "outcome": [outcome_names[c] for c in out.tolist()],
         "tokens": full["block_tokens"],
-        "bytes": full["block_tokens"].cast(pl.Int64) * bytes_per_token,
+        "bytes": _bytes(full["block_tokens"], groups_served, group_idx, bytes_per_token,
+                        group_bytes_per_token),
         "holder": locs.decode(holder),
         "removed_ns": pl.Series(rem_ts, dtype=pl.Int64).replace(-1, None),
         "remover": locs.decode(rem_loc),
         "key_diff": spaces.decode(other_ns),
+        "cut_group": pl.Series(np.asarray(group_idx, np.int32)[np.maximum(cut, 0)], dtype=pl.Int32)
+        .set(pl.Series(cut < 0), None),
+        "reusable": full["reusable"],
+        "origin": _origins(source, full["origin"]),
     })
+
+
+def _origins(source: np.ndarray, transfer_origin: pl.Series) -> pl.Series:
+    """Where each hit came from: gpu, cpu, disk, pool, or a transfer's origin (else NULL)."""
+    src = pl.Series(source)
+    tier = src.replace_strict(_ORIGINS, default=None, return_dtype=pl.Utf8)
+    moved = transfer_origin.cast(pl.Utf8).fill_null(Medium.POOL.value)
+    return pl.select(pl.when(src == SRC_TRANSFER).then(moved).otherwise(tier)).to_series().alias("origin")
+
+
+def _bytes(tokens: pl.Series, served: np.ndarray, group_idx: list[int], bytes_per_token: int,
+           group_rates: Sequence[int] | None) -> pl.Series:
+    """KV bytes per block: tokens x the rates of the groups in its ``served`` bit mask."""
+    if group_rates is None or len(group_idx) < 2 or sorted(group_idx) != list(range(len(group_rates))):
+        return tokens.cast(pl.Int64) * bytes_per_token
+    rate = np.zeros(served.shape[0], np.int64)
+    for code, g in enumerate(group_idx):
+        rate += np.where((served >> min(code, 62)) & 1 == 1, int(group_rates[g]), 0)
+    rate[served == 0] = sum(int(r) for r in group_rates)  # unobserved: every group computes it
+    return tokens.cast(pl.Int64) * pl.Series(rate)

@@ -35,7 +35,7 @@ from collections.abc import Mapping
 import duckdb
 import polars as pl
 
-__all__ = ["reconcile"]
+__all__ = ["reconcile", "series_increase"]
 
 COUNTERS: dict[str, tuple[str, ...]] = {
     "hits": ("vllm:prefix_cache_hits_total", "vllm:gpu_prefix_cache_hits_total",
@@ -57,12 +57,12 @@ def _samples(metric_samples: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataF
     return rel.pl().with_columns(pl.col("replica").fill_null(""))
 
 
-def _with_created_zero(samples: pl.DataFrame) -> pl.DataFrame:
+def _with_created_zero(samples: pl.DataFrame, created_of: Mapping[str, str] = _CREATED) -> pl.DataFrame:
     """Counter samples, plus a zero at each series' creation time when that comes first."""
-    counters = samples.filter(pl.col("name").is_in(list(_CREATED)))
-    created = (samples.filter(pl.col("name").is_in(list(_CREATED.values())))
+    counters = samples.filter(pl.col("name").is_in(list(created_of)))
+    created = (samples.filter(pl.col("name").is_in(list(created_of.values())))
                .sort("ts_ns").group_by(_SERIES).agg(pl.col("value").first().alias("created_s"))
-               .with_columns(pl.col("name").replace({v: k for k, v in _CREATED.items()})))
+               .with_columns(pl.col("name").replace({v: k for k, v in created_of.items()})))
     first = counters.group_by(_SERIES).agg(pl.col("ts_ns").min().alias("first_ns"))
     zeros = (first.join(created, on=_SERIES)
              .with_columns((pl.col("created_s") * 1e9).round().cast(pl.Int64).alias("ts_ns"))
@@ -85,6 +85,21 @@ def _deltas(samples: pl.DataFrame) -> pl.DataFrame:
     delta = (pl.when(pl.col("prev").is_null()).then(0.0)
              .when(reset).then(pl.col("value")).otherwise(pl.col("value") - pl.col("prev")))
     return df.select("replica", "role", "ts_ns", delta.alias("delta"), reset.alias("reset"))
+
+
+def series_increase(samples: pl.DataFrame, counters: tuple[str, ...]) -> pl.DataFrame:
+    """Per series (replica, name, series: the label set as text) of ``counters``: its increase
+    over the samples, as ``reconcile`` counts it (resets, a created-at zero), and its resets.
+
+    ``samples`` has replica, name, series, ts_ns, value, with the ``<name>_created`` samples too.
+    """
+    created_of = {n: n.removesuffix("_total") + "_created" for n in counters}
+    df = (_with_created_zero(samples, created_of).sort([*_SERIES, "ts_ns"])
+          .with_columns(pl.col("value").shift(1).over(_SERIES).alias("prev")))
+    reset = pl.col("prev").is_not_null() & (pl.col("value") < pl.col("prev"))
+    delta = (pl.when(pl.col("prev").is_null()).then(0.0)
+             .when(reset).then(pl.col("value")).otherwise(pl.col("value") - pl.col("prev")))
+    return df.group_by(_SERIES).agg(delta.sum().alias("increase"), reset.sum().cast(pl.Int64).alias("resets"))
 
 
 def _window(col: str, window_ns: int | None, first: str, last: str) -> list[pl.Expr]:

@@ -1,4 +1,9 @@
-"""Analyzers: per-request ledger: prompt tokens as hits, misses, the given-back block and the tail."""
+"""Analyzers: per-request ledger: prompt tokens as hits, misses, the given-back block, the tail.
+
+Hits, the given-back block (``recomputed_last``), misses, unobserved blocks (no KV events from
+the replica) and the partial tail add up to the prompt; ``reusable_tokens`` (blocks an earlier
+request needed) is the unbounded-cache potential beside them, whatever the events say.
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,19 @@ WITH per AS (
            sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) AS hit_tokens,
            sum(tokens) FILTER (WHERE outcome = 'recomputed_last') AS recomputed_last_tokens,
            sum(tokens) FILTER (WHERE outcome LIKE 'miss_%') AS miss_tokens,
+           sum(tokens) FILTER (WHERE outcome = 'unobserved') AS unobserved_tokens,
+           sum(tokens) FILTER (WHERE reusable) AS reusable_tokens,
+           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+                               AND origin = 'gpu') AS device_hit_tokens,
+           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+                               AND origin = 'cpu') AS host_hit_tokens,
+           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+                               AND origin = 'disk') AS disk_hit_tokens,
+           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+                               AND origin NOT IN ('gpu', 'cpu', 'disk')) AS remote_hit_tokens,
            sum(tokens) AS full_tokens,
            arg_max(outcome, tokens_by_outcome) FILTER (WHERE outcome LIKE 'miss_%') AS dominant_miss
-    FROM (SELECT request_id, outcome, tokens,
+    FROM (SELECT request_id, outcome, tokens, reusable, origin,
                  sum(tokens) OVER (PARTITION BY request_id, outcome) AS tokens_by_outcome
           FROM block_outcomes)
     GROUP BY request_id
@@ -27,6 +42,12 @@ SELECT r.scenario, coalesce(r.replica, '') AS replica, r.request_id, r.arrival_n
        coalesce(p.recomputed_last_tokens, 0) AS recomputed_last_tokens,
        coalesce(p.miss_tokens, 0) AS miss_tokens,
        greatest(coalesce(r.prompt_tokens, 0) - coalesce(p.full_tokens, 0), 0) AS tail_partial_tokens,
+       coalesce(p.unobserved_tokens, 0) AS unobserved_tokens,
+       coalesce(p.reusable_tokens, 0) AS reusable_tokens,
+       coalesce(p.device_hit_tokens, 0) AS device_hit_tokens,
+       coalesce(p.host_hit_tokens, 0) AS host_hit_tokens,
+       coalesce(p.disk_hit_tokens, 0) AS disk_hit_tokens,
+       coalesce(p.remote_hit_tokens, 0) AS remote_hit_tokens,
        r.cached_tokens, p.dominant_miss, r.ttft_ms, r.queue_ms
 FROM requests r LEFT JOIN per p USING (request_id)
 ORDER BY r.arrival_ns, r.request_id
@@ -38,11 +59,18 @@ def request_ledger(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRel
     """One row per request of ``scenario``.
 
     Columns: scenario, replica, request_id, arrival_ns, prompt_tokens, hit_tokens,
-    recomputed_last_tokens, miss_tokens, tail_partial_tokens, cached_tokens (the engine's),
-    dominant_miss, ttft_ms, queue_ms. Sorted by arrival, then request id.
+    recomputed_last_tokens, miss_tokens, tail_partial_tokens, unobserved_tokens, reusable_tokens,
+    device_hit_tokens, host_hit_tokens, disk_hit_tokens, remote_hit_tokens (the hits by where they
+    came from: GPU, CPU, disk, the pool or a peer), cached_tokens (the engine's), dominant_miss,
+    ttft_ms, queue_ms. Sorted by arrival, then request id.
     """
     cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
     req = requests.filter(cond).pl().unique("request_id", keep="first")
+    # A frame made before these columns existed: nothing is known of reuse; hits were local.
+    if "reusable" not in block_outcomes.columns:
+        block_outcomes = block_outcomes.with_columns(reusable=pl.lit(None, pl.Boolean))
+    if "origin" not in block_outcomes.columns:
+        block_outcomes = block_outcomes.with_columns(origin=pl.lit("gpu"))
     con = duckdb.connect()
     con.register("block_outcomes", block_outcomes)
     con.register("requests", req)

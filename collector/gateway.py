@@ -8,6 +8,9 @@ One JSON object per line (README, "Gateway log format"):
 - ``replica``, ``model``, ``tenant``, ``session_id``, ``namespace`` (strings, optional);
 - ``prompt_tokens`` (int, required), ``output_tokens``, ``cached_tokens`` (ints, optional),
   ``ttft_ms`` (number, optional);
+- ``cached_tokens_details`` (object, optional): the engine's split of ``cached_tokens`` by tier,
+  as SGLang reports it per request (``meta_info.cached_tokens_details``: ``device``, ``host``,
+  ``storage`` ints; other keys ignored);
 - ``block_size`` (int, default 16) and ``block_hashes``: the prompt's block keys in order,
   ints (signed ones are folded to unsigned 64-bit) or hex digests (the last 8 bytes are
   kept, as vLLM's events do); full blocks only, or full blocks plus the partial tail;
@@ -85,6 +88,23 @@ def _opt_number(rec: dict[str, Any], key: str) -> float | None:
     return need_number(rec, key) if rec.get(key) is not None else None
 
 
+# cached_tokens_details key -> requests column
+_DETAILS = {"device": "cached_device_tokens", "host": "cached_host_tokens",
+            "storage": "cached_storage_tokens"}
+
+
+def _cache_details(rec: dict[str, Any]) -> dict[str, int | None]:
+    details = rec.get("cached_tokens_details")
+    if details is None:
+        return dict.fromkeys(_DETAILS.values())
+    if not isinstance(details, dict):
+        raise FieldError("cached_tokens_details", "expected an object of device, host, storage token counts")
+    try:
+        return {col: need_int(details, key) if key in details else None for key, col in _DETAILS.items()}
+    except FieldError as e:
+        raise FieldError("cached_tokens_details", str(e)) from None
+
+
 def parser(*, model: str | None, t0_ns: int) -> Parser:
     del t0_ns  # gateway times are absolute
 
@@ -112,6 +132,7 @@ def parser(*, model: str | None, t0_ns: int) -> Parser:
                 "output_tokens": need_int(rec, "output_tokens") if "output_tokens" in rec else None,
                 "cached_tokens": need_int(rec, "cached_tokens") if "cached_tokens" in rec else None,
                 "ttft_ms": _opt_number(rec, "ttft_ms"),
+                **_cache_details(rec),
                 "source": "gateway",
             },
             block_hashes=hashes,

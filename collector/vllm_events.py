@@ -60,6 +60,7 @@ __all__ = [
     "normalise_hash",
     "read_capture",
     "split_frames",
+    "split_snapshot_reply",
 ]
 
 log = logging.getLogger(__name__)
@@ -70,8 +71,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**20
 
 KV_COLUMNS = (
     "ts_ns", "recv_ns", "replica", "dp_rank", "seq", "kind", "block_hash", "parent_hash", "position",
-    "block_tokens", "medium", "group_idx", "spec_kind", "lora_name", "extra_key", "content_hash",
-    "namespace", "session_id", "locality",
+    "block_tokens", "medium", "group_idx", "spec_kind", "sliding_window_tokens", "remaining_copies",
+    "lora_name", "extra_key", "content_hash", "namespace", "session_id", "locality",
 )
 
 # vLLM GPU/CPU/STORAGE; SGLang GPU/CPU_PINNED/DISK/EXTERNAL; Mooncake CPU/Disk; LMCache CPU.
@@ -265,6 +266,7 @@ class BatchInfo:
 _STORED = EventKind.STORED.value
 _REMOVED = EventKind.REMOVED.value
 _CLEARED = EventKind.CLEARED.value
+_INACTIVE = EventKind.INACTIVE.value
 
 
 # The events as typed structs: msgspec validates every field in C, and unknown keys (newer
@@ -284,6 +286,7 @@ class _Stored(_Event, tag="BlockStored"):
     extra_keys: list[Any] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
     session_id: str | None = None
     locality: str | None = None
     cache_salt: str | None = None  # SGLang
@@ -294,13 +297,25 @@ class _Removed(_Event, tag="BlockRemoved"):
     medium: str | None = None
     group_idx: int | None = None
     locality: str | None = None
+    # Newer vLLM (PR #48933): physical copies of each hash left after the removal, aligned with
+    # block_hashes; absent (None) where the producer cannot count them.
+    remaining_copy_counts: list[int] | None = None
 
 
 class _Cleared(_Event, tag="AllBlocksCleared"):
     pass
 
 
-_AnyEvent = _Stored | _Removed | _Cleared
+class _Inactive(_Event, tag="BlockInactive"):
+    """Newer vLLM (PR #50732): the last request released a cached GPU block; it stays cached."""
+
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+    locality: str | None = None
+
+
+_AnyEvent = _Stored | _Removed | _Cleared | _Inactive
 
 
 class _Batch(msgspec.Struct, array_like=True, forbid_unknown_fields=False, gc=False):
@@ -322,6 +337,9 @@ class EventDecoder:
         self.keep_tokens = keep_tokens
         self.max_payload_bytes = max_payload_bytes
         self._chains = _ChainMap(chain_capacity)
+        # Stored events whose parent this decoder never saw stored (a P/D decode instance caches
+        # blocks whose prefix came from the prefill side; a collector that joined late).
+        self.unannounced_parents = 0
         self._decode = msgspec.msgpack.Decoder().decode
         self._typed = msgspec.msgpack.Decoder(_Batch).decode
 
@@ -385,6 +403,12 @@ class EventDecoder:
             try:
                 if not isinstance(ev, _Event):
                     ev = _typed_event(ev)
+                if type(ev) is _Removed and ev.remaining_copy_counts is not None:
+                    if run:
+                        info.rows += removed(run_key, run, out, head, namespace)
+                        run = []
+                    info.rows += self._removed_counted(ev, out, head, namespace)
+                    continue
                 if type(ev) is _Removed:
                     hashes = _hashes(ev.block_hashes)
                     key = (medium_of(ev.medium), _group(ev.group_idx), ev.locality)
@@ -401,8 +425,11 @@ class EventDecoder:
                     info.rows += stored(ev, out, head, namespace)
                 else:
                     none = (None,)
-                    out.add_event((*head, _CLEARED, None, None, None, None, None, namespace, None, None),
-                                  1, none, none, none, none, none)
+                    if type(ev) is _Inactive:
+                        info.rows += self._inactive(ev, out, head, namespace)
+                        continue
+                    cleared = (*head, _CLEARED, *(None,) * 7, namespace, None, None)
+                    out.add_event(cleared, 1, none, none, none, none, none)
                     info.rows += 1
             except _BadEvent as e:
                 info.bad_events.append(e.reason)
@@ -425,9 +452,12 @@ class EventDecoder:
         extras = _extra_keys(ev.extra_keys, n, ev.cache_salt)
         if out.keep_tokens and tokens and aligned and not 0 <= min(tokens) <= max(tokens) <= INT32_MAX:
             raise _BadEvent("field:token_ids")  # kept ids are INTEGER[]; no tokenizer has ids past 2**31
+        window = ev.kv_cache_spec_sliding_window
+        if window is not None and not 0 < window <= INT32_MAX:
+            raise _BadEvent("field:kv_cache_spec_sliding_window")
         positions, contents = self._chain(hashes, parent, tokens if aligned else None, block_size or 0)
-        event = (*head, _STORED, block_size, medium, group_idx, ev.kv_cache_spec_kind, lora,
-                 ns, ev.session_id, ev.locality)
+        event = (*head, _STORED, block_size, medium, group_idx, ev.kv_cache_spec_kind,
+                 window, None, lora, ns, ev.session_id, ev.locality)
         blocks = None
         if out.keep_tokens and tokens is not None and aligned:
             bs = block_size or 0
@@ -443,6 +473,7 @@ class EventDecoder:
         if parent is not None:
             known = self._chains.get(parent)
             if known is None:
+                self.unannounced_parents += 1  # kept, with no position or content chain
                 return (None,) * n, (None,) * n
             first, parent_content = known[0] + 1, known[1]
             if first + n > INT32_MAX:  # a chain longer than any prompt: its positions are not known
@@ -453,6 +484,49 @@ class EventDecoder:
         self._chains.put_many(hashes, first, contents)
         return range(first, first + n), contents
 
+    def _removed_counted(self, ev: _Removed, out: KvColumns, head: tuple[Any, ...], ns: str | None) -> int:
+        """A removal that says how many copies of each hash remain: one row per hash with its count."""
+        hashes, counts = _hashes(ev.block_hashes), ev.remaining_copy_counts or []
+        if len(counts) != len(hashes) or not all(type(c) is int and 0 <= c <= INT32_MAX for c in counts):
+            raise _BadEvent("remaining_copy_counts")
+        none = (None,)
+        medium = medium_of(ev.medium)
+        for h, left in zip(hashes, counts, strict=True):
+            known = self._chains.get(h) or (None, None)
+            event = (*head, _REMOVED, None, medium, _group(ev.group_idx), None, None, left, None, ns, None,
+                     ev.locality)
+            out.add_event(event, 1, (h,), none, (known[0],), none, (known[1],))
+        return len(hashes)
+
+    def _inactive(self, ev: _Inactive, out: KvColumns, head: tuple[Any, ...], ns: str | None) -> int:
+        """Rows of kind ``inactive``: cached blocks no request references any more (still resident)."""
+        hashes = _hashes(ev.block_hashes)
+        n = len(hashes)
+        if n:
+            none = (None,) * n
+            event = (*head, _INACTIVE, None, medium_of(ev.medium), _group(ev.group_idx), None, None, None,
+                     None, ns, None, ev.locality)
+            out.add_event(event, n, hashes, none, none, none, none)
+        return n
+
+    def decode_snapshot(self, payloads: Sequence[bytes], out: KvColumns, *, replica: str, seq: int,
+                        recv_ns: int, namespace: str | None = None) -> BatchInfo:
+        """A publisher's snapshot (``split_snapshot_reply``): a ``cleared`` row, then its chunks' stores.
+
+        The snapshot replaces whatever was known of the replica's cache; every row carries ``seq``,
+        the last live sequence the snapshot includes, so live batches resume after it.
+        """
+        first = self.read_batch(payloads[0])[0] if payloads else recv_ns
+        info = BatchInfo(first, None, 1, [])
+        none = (None,)
+        out.add_event((first, recv_ns, replica, None, seq, _CLEARED, *(None,) * 7, namespace, None, None), 1,
+                      none, none, none, none, none)
+        for payload in payloads:
+            part = self.decode(payload, out, replica=replica, seq=seq, recv_ns=recv_ns, namespace=namespace)
+            info.rows += part.rows
+            info.bad_events += part.bad_events
+        return info
+
     def _removed(self, key: tuple[Any, ...], hashes: list[int], out: KvColumns, head: tuple[Any, ...],
                  ns: str | None) -> int:
         """Rows for a run of removed hashes sharing ``key`` = (tier, group_idx, locality)."""
@@ -461,9 +535,26 @@ class EventDecoder:
         known = [get(h) or (None, None) for h in hashes]
         none = (None,) * n
         medium, group_idx, locality = key
-        event = (*head, _REMOVED, None, medium, group_idx, None, None, ns, None, locality)
+        event = (*head, _REMOVED, None, medium, group_idx, None, None, None, None, ns, None, locality)
         out.add_event(event, n, hashes, none, [k[0] for k in known], none, [k[1] for k in known])
         return n
+
+
+def split_snapshot_reply(frames: Sequence[bytes]) -> tuple[int, bytes, list[bytes]]:
+    """(seq, publisher_id, chunk payloads) of a snapshot reply (newer vLLM, PR #57789).
+
+    The client sends ``b"snapshot"`` to the snapshot endpoint; the reply is ``[seq (8 bytes
+    big-endian, signed), publisher_id (16 bytes), chunk...]``, each chunk a batch payload as the
+    live stream sends. ``seq`` is the last live sequence the snapshot includes (-1: none yet); a
+    lower value means no snapshot is available (vLLM's examples/features/kv_events/
+    kv_events_snapshot_subscriber.py::SnapshotClient.bootstrap).
+    """
+    if len(frames) < 2 or len(frames[0]) != 8 or len(frames[1]) != 16:
+        raise DecodeError("snapshot", "expected [seq (8 bytes), publisher_id (16 bytes), chunk...]")
+    seq = int.from_bytes(frames[0], "big", signed=True)
+    if seq < -1:
+        raise DecodeError("snapshot", f"the publisher has no snapshot to give (sequence {seq})")
+    return seq, bytes(frames[1]), [bytes(f) for f in frames[2:]]
 
 
 def _hashes(raw: list[Any]) -> list[int]:
@@ -611,6 +702,7 @@ def import_capture(paths: Sequence[str | os.PathLike[str]], lake: str | os.PathL
                     w.append_arrow(_recv_as_ts(cols.take_arrow()))
         if len(cols):
             w.append_arrow(_recv_as_ts(cols.take_arrow()))
+    counts["unannounced_parents"] = decoder.unannounced_parents
     return counts
 
 

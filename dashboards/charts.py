@@ -38,18 +38,20 @@ _C = TypeVar("_C", alt.Chart, alt.LayerChart)
 WIDTH = 640
 HEIGHT = 300
 
-# Hits in greens, the one-token rule in blue, misses from warm to cold.
+# Hits in greens, the one-token rule in blue, misses from warm to cold, unknown residency pale.
 OUTCOME_COLORS: dict[str, str] = {
     Outcome.HIT_LOCAL: "#1a9850",
     Outcome.HIT_OFFLOAD: "#66bd63",
     Outcome.HIT_REMOTE: "#a6d96a",
     Outcome.RECOMPUTED_LAST: "#4575b4",
+    Outcome.MISS_GROUP: "#8073ac",
     Outcome.MISS_LOAD_FAILED: "#762a83",
     Outcome.MISS_AFTER_GAP: "#c51b7d",
     Outcome.MISS_ROUTING: "#d73027",
     Outcome.MISS_EVICTED: "#f46d43",
     Outcome.MISS_INCOMPATIBLE: "#fdae61",
     Outcome.MISS_COLD: "#999999",
+    Outcome.UNOBSERVED: "#e0e0e0",
 }
 _OUTCOME_SCALE = alt.Scale(domain=list(OUTCOME_COLORS), range=list(OUTCOME_COLORS.values()))
 _OUTCOME_ORDER = {o: i for i, o in enumerate(OUTCOME_COLORS)}

@@ -26,6 +26,7 @@ CAUSES = {
     "miss_incompatible": "the block was cached under another cache key",
     "miss_load_failed": "loading the block failed",
     "miss_after_gap": "KV events were lost around it (a sequence gap)",
+    "miss_group": "another KV cache group (a sliding window) cut the hit short before it",
 }
 _ACTIONABLE = tuple(c for c in CAUSES if c != "miss_cold")
 _IN_WINDOW = "list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end"
@@ -108,9 +109,11 @@ def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     return out
 
 
+# Requests whose replica published no KV events have no hit ratio (their residency is unknown).
 COMPARE_SQL = f"""
 SELECT scenario, sum(hit_tokens) / sum(prompt_tokens) AS ratio FROM request_ledger
-WHERE {_IN_WINDOW} GROUP BY ALL HAVING sum(prompt_tokens) > 0 ORDER BY ratio DESC, scenario
+WHERE {_IN_WINDOW} AND coalesce(unobserved_tokens, 0) = 0 GROUP BY ALL HAVING sum(prompt_tokens) > 0
+ORDER BY ratio DESC, scenario
 """
 
 
@@ -145,6 +148,23 @@ def _cold_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     label = _all_label([s for s, _ in shares], p)
     return [f"In {where}{label}, {fmt_pct(shares[0][1])} of prompt tokens were needed for the first time "
             "(miss_cold): no cache could have served them."]
+
+
+UNOBSERVED_SQL = f"""
+SELECT scenario, sum(unobserved_tokens) / sum(prompt_tokens),
+       sum(reusable_tokens) FILTER (WHERE unobserved_tokens > 0)
+           / sum(prompt_tokens) FILTER (WHERE unobserved_tokens > 0)
+FROM request_ledger WHERE {_IN_WINDOW} GROUP BY ALL HAVING sum(unobserved_tokens) > 0 ORDER BY 1
+"""
+
+
+def _unobserved_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
+    return [f"In {s}, {fmt_pct(share)} of prompt tokens (their full blocks) ran on replicas that "
+            "published no KV events (unobserved): whether they were cached is unknown, so they are counted "
+            f"neither as hits nor as misses. An unbounded cache could have served {fmt_pct(reusable)} of "
+            "those requests' prompt tokens (modelled: every full block an earlier request needed, no "
+            "capacity limit)."
+            for s, share, reusable in rows(con, UNOBSERVED_SQL, p)]
 
 
 CAPACITY_SQL = """
@@ -350,6 +370,7 @@ FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], list[st
     ("block_outcomes", _ledger_findings),
     ("request_ledger", _compare_findings),
     ("block_outcomes", _cold_findings),
+    ("request_ledger", _unobserved_findings),
     ("latency_tails", _latency_findings),
     ("prefix_ranking", _prefix_findings),
     ("flows", _flow_findings),

@@ -137,18 +137,26 @@ def ledger_by_outcome(cur: duckdb.DuckDBPyConnection, window: Window) -> pl.Data
 RATIOS_SQL = f"""
 WITH r AS (
     SELECT count(*) AS requests, CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens,
-           CAST(sum(hit_tokens) AS BIGINT) AS hit_tokens
+           CAST(sum(hit_tokens) AS BIGINT) AS hit_tokens,
+           CAST(sum(coalesce(unobserved_tokens, 0)) AS BIGINT) AS unobserved_tokens,
+           CAST(sum(coalesce(reusable_tokens, 0)) AS BIGINT) AS reusable_tokens,
+           sum(prompt_tokens - coalesce(tail_partial_tokens, 0) - coalesce(unobserved_tokens, 0))
+               AS observed_tokens
     FROM request_ledger WHERE scenario = $scenario AND {in_window("arrival_ns")}
 ), b AS (
     SELECT CAST(sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS BIGINT)
            AS hit_bytes
     FROM block_outcomes WHERE scenario = $scenario AND {in_window("arrival_ns")}
 )
+-- Without KV events from any replica residency is unknown: no hit ratio (NULL), not 0.
 SELECT r.requests, r.prompt_tokens, r.hit_tokens,
-       r.hit_tokens / nullif(r.prompt_tokens, 0) AS token_hit_ratio,
+       CASE WHEN r.observed_tokens > 0 THEN r.hit_tokens / nullif(r.prompt_tokens, 0) END AS token_hit_ratio,
        coalesce(b.hit_bytes, 0) AS hit_bytes,
        r.prompt_tokens * s.kv_bytes_per_token AS prompt_bytes,
-       coalesce(b.hit_bytes, 0) / nullif(r.prompt_tokens * s.kv_bytes_per_token, 0) AS byte_hit_ratio
+       CASE WHEN r.observed_tokens > 0
+            THEN coalesce(b.hit_bytes, 0) / nullif(r.prompt_tokens * s.kv_bytes_per_token, 0) END
+           AS byte_hit_ratio,
+       r.unobserved_tokens, r.reusable_tokens
 FROM r, b, scenarios s WHERE s.scenario = $scenario
 """
 
@@ -156,7 +164,8 @@ FROM r, b, scenarios s WHERE s.scenario = $scenario
 def hit_ratios(cur: duckdb.DuckDBPyConnection, window: Window) -> dict[str, Any]:
     """Per token and per byte over every prompt token (tails included) in the window:
     ``requests``, ``prompt_tokens``, ``hit_tokens``, ``token_hit_ratio``, ``hit_bytes``,
-    ``prompt_bytes``, ``byte_hit_ratio``; empty dict when the scenario has no rows."""
+    ``prompt_bytes``, ``byte_hit_ratio`` (both None when no replica published KV events),
+    ``unobserved_tokens``, ``reusable_tokens``; empty dict when the scenario has no rows."""
     frame = fetch(cur, RATIOS_SQL, window.params())
     return frame.row(0, named=True) if frame.height else {}
 

@@ -64,16 +64,22 @@ class Headline:
     prompt_bytes: int | None
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
+    unobserved_tokens: int = 0
+
+    @property
+    def observed(self) -> bool:
+        """Some prompt token ran on a replica that published KV events (else no ratio is known)."""
+        return self.prompt_tokens - self.tail_partial_tokens > self.unobserved_tokens
 
     @property
     def token_hit_ratio(self) -> float | None:
-        """Hit tokens over prompt tokens (partial tails count as recomputed)."""
-        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else None
+        """Hit tokens over prompt tokens (partial tails count as recomputed); None without events."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens and self.observed else None
 
     @property
     def byte_hit_ratio(self) -> float | None:
         """Hit KV bytes over the KV bytes of every prompt token (the dashboard's definition)."""
-        return self.hit_bytes / self.prompt_bytes if self.prompt_bytes else None
+        return self.hit_bytes / self.prompt_bytes if self.prompt_bytes and self.observed else None
 
 
 @dataclass(frozen=True)
@@ -152,14 +158,16 @@ HEADLINE_SQL = f"""
 WITH r AS (
     SELECT scenario, count(*) AS requests, sum(prompt_tokens) AS prompt_tokens,
            sum(hit_tokens) AS hit_tokens, sum(tail_partial_tokens) AS tail_partial_tokens,
-           median(ttft_ms) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms
+           median(ttft_ms) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
+           sum(coalesce(unobserved_tokens, 0)) AS unobserved_tokens
     FROM request_ledger WHERE {_IN_WINDOW} GROUP BY scenario
 ), b AS (
     SELECT scenario, sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS hit_bytes
     FROM block_outcomes WHERE {_IN_WINDOW} GROUP BY scenario
 )
 SELECT r.scenario, r.requests, r.prompt_tokens, r.hit_tokens, r.tail_partial_tokens,
-       coalesce(b.hit_bytes, 0), r.prompt_tokens * s.kv_bytes_per_token, r.ttft_p50_ms, r.ttft_p99_ms
+       coalesce(b.hit_bytes, 0), r.prompt_tokens * s.kv_bytes_per_token, r.ttft_p50_ms, r.ttft_p99_ms,
+       r.unobserved_tokens
 FROM r LEFT JOIN b USING (scenario) LEFT JOIN scenarios s USING (scenario) ORDER BY r.scenario
 """
 
@@ -173,7 +181,7 @@ def headlines(con: duckdb.DuckDBPyConnection, names: list[str], window: Window) 
     out = {}
     for r in rows(con, HEADLINE_SQL, _params(names, window)):
         out[r[0]] = Headline(r[0], int(r[1]), int(r[2] or 0), int(r[3] or 0), int(r[4] or 0), int(r[5]),
-                             None if r[6] is None else int(r[6]), r[7], r[8])
+                             None if r[6] is None else int(r[6]), r[7], r[8], int(r[9] or 0))
     return out
 
 

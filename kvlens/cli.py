@@ -117,7 +117,8 @@ def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model
         counts = import_capture(files, lake, scenario=scenario, model=model)
         click.echo(f"imported {counts['batches']:,} batches and {counts['rows']:,} kv_events rows into "
                    f"scenario {scenario!r} of {lake} ({counts['bad_frames']:,} bad frames, "
-                   f"{counts['bad_events']:,} bad events, {counts['duplicates']:,} duplicates skipped)")
+                   f"{counts['bad_events']:,} bad events, {counts['duplicates']:,} duplicates skipped; "
+                   f"{counts['unannounced_parents']:,} stores whose parent was never announced)")
         return
     if fmt in ("otlp-json", "otlp"):  # OTLP trace files -> requests only (no blocks)
         _import_otlp(fmt, files, lake, scenario, model, skip_bad_lines)

@@ -20,12 +20,16 @@ __all__ = [
     "DTYPE_BYTES",
     "GROUP_KINDS",
     "MODELS",
+    "KvCacheGroup",
     "KvDtype",
     "KvGroup",
     "ModelGeometry",
     "dtype_bytes",
     "from_hf_config",
     "get_model",
+    "group_bytes_per_token",
+    "kv_cache_groups",
+    "kv_groups_from_hf_config",
     "resolve_model",
 ]
 
@@ -436,3 +440,70 @@ def from_hf_config(config: dict[str, Any] | str | Path, *, name: str | None = No
         num_params=float(12 * num_layers * hidden**2) if num_params is None else num_params,
         kv_dtype=_HF_DTYPES.get(str(hf_dtype), "bf16"),
     )
+
+
+# -- KV cache groups, as vLLM's hybrid KV-cache manager forms them -------------------------------
+
+@dataclass(frozen=True)
+class KvCacheGroup:
+    """One KV cache group: layers of one layout sharing one block table (vLLM's KVCacheGroupSpec).
+
+    ``group_idx`` is the index vLLM publishes in its KV events. ``page_layers`` is the group size
+    vLLM pads every group to (the layers a block of this group occupies in the shared pool);
+    ``layout.num_layers`` are the layers that really cache KV.
+    """
+
+    group_idx: int
+    layout: KvGroup
+    page_layers: int
+
+    @property
+    def kind(self) -> str:
+        return self.layout.kind
+
+    @property
+    def sliding_window_tokens(self) -> int | None:
+        return self.layout.sliding_window_tokens
+
+    def bytes_per_token(self, element_bytes: int, tp_size: int = 1) -> int:
+        """KV bytes one token adds to this group on one tensor-parallel rank."""
+        return self.layout.bytes_per_token(element_bytes, tp_size)
+
+
+def kv_cache_groups(model: ModelGeometry) -> tuple[KvCacheGroup, ...]:
+    """The model's KV cache groups, in the order vLLM numbers them (``group_idx``).
+
+    vLLM 0.32 (vllm/v1/core/kv_cache_utils.py::_get_kv_cache_groups_uniform_page_size) buckets
+    layers by spec in order of first appearance, takes the smallest bucket's layer count as the
+    group size (the largest one when it is under 1.5 times the smallest), splits each bucket into
+    ``ceil(layers / group_size)`` groups taking every ``n``-th layer, and pads each to the group
+    size. A model of one layout is one group. All groups share one block pool, so
+    ``--num-gpu-blocks-override`` blocks serve every group together (get_kv_cache_config_from_groups).
+    """
+    counts = [g.num_layers for g in model.groups]
+    size = min(counts)
+    if max(counts) < size * 1.5:
+        size = max(counts)
+    out: list[KvCacheGroup] = []
+    for bucket in model.groups:
+        n = math.ceil(bucket.num_layers / size)
+        for i in range(n):
+            layers = len(range(i, bucket.num_layers, n))  # layers[i::n]
+            out.append(KvCacheGroup(len(out), dataclasses.replace(bucket, num_layers=layers), size))
+    return tuple(out)
+
+
+def kv_groups_from_hf_config(config: dict[str, Any]) -> tuple[KvCacheGroup, ...]:
+    """The KV cache groups of a Hugging Face ``config.json`` (a dict), as vLLM forms them.
+
+    Layer kinds follow ``layer_types`` when present, else ``sliding_window`` with
+    ``sliding_window_pattern`` (Gemma-3), Gemma-2's alternation, Qwen2's ``use_sliding_window``
+    or Mistral's all-sliding convention (``from_hf_config`` reads them).
+    """
+    return kv_cache_groups(from_hf_config(config))
+
+
+def group_bytes_per_token(model: ModelGeometry, *, tp_size: int = 1) -> tuple[int, ...]:
+    """KV bytes per token of each KV cache group, by ``group_idx``; they sum to kv_bytes_per_token."""
+    element_bytes = dtype_bytes(model.kv_dtype)
+    return tuple(g.bytes_per_token(element_bytes, tp_size) for g in kv_cache_groups(model))

@@ -46,6 +46,7 @@ class EventKind(enum.StrEnum):
     STORED = "stored"
     REMOVED = "removed"
     CLEARED = "cleared"
+    INACTIVE = "inactive"  # newer vLLM's BlockInactive: still cached, no request references it
 
 
 class Medium(enum.StrEnum):
@@ -59,18 +60,27 @@ class Medium(enum.StrEnum):
 
 
 class Outcome(enum.StrEnum):
-    """One outcome per needed full block, decided in this order (DESIGN.md section 1)."""
+    """One outcome per needed full block, decided in this order (DESIGN.md section 1).
+
+    ``miss_group``: resident, with its whole prefix, in the full-attention KV cache group(s), but
+    the request's hit was cut short before it by another group (a sliding window, vLLM's hybrid
+    KV-cache manager). ``unobserved``: no KV events came from the serving replica, so whether the
+    block was resident is unknown: neither a hit nor a miss (``reusable`` says whether an unbounded
+    cache could have served it).
+    """
 
     HIT_LOCAL = "hit_local"
     HIT_OFFLOAD = "hit_offload"
     HIT_REMOTE = "hit_remote"
     RECOMPUTED_LAST = "recomputed_last"
+    MISS_GROUP = "miss_group"
     MISS_LOAD_FAILED = "miss_load_failed"
     MISS_AFTER_GAP = "miss_after_gap"
     MISS_ROUTING = "miss_routing"
     MISS_EVICTED = "miss_evicted"
     MISS_INCOMPATIBLE = "miss_incompatible"
     MISS_COLD = "miss_cold"
+    UNOBSERVED = "unobserved"
 
 
 # The outcomes that are hits; every other outcome is recomputed (DESIGN.md section 1).
@@ -162,7 +172,8 @@ KV_EVENTS = Table("kv_events", "lake", "One row per block hash per KV-cache even
     _c("replica", "VARCHAR", "serving replica (engine instance) that emitted the event"),
     _c("dp_rank", "INTEGER", "data-parallel rank within the replica, when reported"),
     _c("seq", "UBIGINT", "publisher's batch sequence number"),
-    _c("kind", "event_kind", "stored, removed, or cleared (a cleared row has no block)"),
+    _c("kind", "event_kind", "stored, removed, cleared (a cleared row has no block) or inactive (still "
+       "cached, no request references it)"),
     _c("block_hash", "UBIGINT", "engine block hash, normalised to unsigned 64-bit"),
     _c("parent_hash", "UBIGINT", "hash of the previous block in the chain; NULL for a root"),
     _c("position", "INTEGER", "block index in its chain when known", "blocks"),
@@ -170,6 +181,10 @@ KV_EVENTS = Table("kv_events", "lake", "One row per block hash per KV-cache even
     _c("medium", "medium", "tier the block lives in"),
     _c("group_idx", "INTEGER", "KV cache group (hybrid models)"),
     _c("spec_kind", "VARCHAR", "KV cache spec kind of the group, when reported"),
+    _c("sliding_window_tokens", "INTEGER", "sliding window of the group's KV cache spec, when reported",
+       "tokens"),
+    _c("remaining_copies", "INTEGER", "for a removal: physical copies of the block the engine still holds "
+       "(vLLM remaining_copy_counts), when reported; NULL: one copy of possibly several went", "blocks"),
     _c("lora_name", "VARCHAR", "LoRA adapter the block was computed under"),
     _c("extra_key", "VARCHAR", "other hash inputs (cache salt, multimodal ids), as published"),
     _c("content_hash", "UBIGINT", "chained hash of the block's token ids alone (no extra keys, no model)"),
@@ -196,6 +211,12 @@ REQUESTS = Table("requests", "lake", "One row per request.", (
     _c("queue_ms", "DOUBLE", "time in queue", "ms"),
     _c("prefill_ms", "DOUBLE", "time in prefill", "ms"),
     _c("source", "VARCHAR", "format the row came from (mooncake, bailian, gateway, otlp, sim, ...)"),
+    _c("cached_device_tokens", "INTEGER", "of cached_tokens, served from the GPU, when the engine says "
+       "(SGLang cached_tokens_details.device)", "tokens"),
+    _c("cached_host_tokens", "INTEGER", "of cached_tokens, loaded from host memory, when the engine says "
+       "(SGLang cached_tokens_details.host)", "tokens"),
+    _c("cached_storage_tokens", "INTEGER", "of cached_tokens, loaded from storage or a shared pool, when the "
+       "engine says (SGLang cached_tokens_details.storage: its L3)", "tokens"),
 ), time_column="arrival_ns")
 
 REQUEST_BLOCKS = Table("request_blocks", "lake", "One row per block a request's prompt needs.", (
@@ -282,6 +303,11 @@ BLOCK_OUTCOMES = Table("block_outcomes", "analysis", "One outcome per needed ful
     _c("removed_ns", "BIGINT", "for miss_evicted: when it was last removed", "ns"),
     _c("remover", "VARCHAR", "for miss_evicted: where it was removed from"),
     _c("key_diff", "VARCHAR", "for miss_incompatible: the namespace it was stored under"),
+    _c("cut_group", "INTEGER", "for miss_group: the KV cache group (group_idx) that cut the hit short"),
+    _c("reusable", "BOOLEAN", "an earlier request of the scenario needed the same block: an unbounded "
+       "cache could have served it"),
+    _c("origin", "VARCHAR", "for a hit: where it was served from: gpu, cpu, disk, pool, or the replica a "
+       "transfer came from"),
 ))
 
 MISS_LEDGER = Table("miss_ledger", "analysis", "Blocks, tokens and bytes per outcome per replica.", (
@@ -302,6 +328,15 @@ REQUEST_LEDGER = Table("request_ledger", "analysis",
     _c("recomputed_last_tokens", "BIGINT", "the block given back by the one-computed-token rule", "tokens"),
     _c("miss_tokens", "BIGINT", "tokens of blocks with a miss outcome", "tokens"),
     _c("tail_partial_tokens", "BIGINT", "tokens of the final, not-full block: recomputed by definition",
+       "tokens"),
+    _c("unobserved_tokens", "BIGINT", "tokens of unobserved blocks: no KV events from the replica, "
+       "residency unknown", "tokens"),
+    _c("reusable_tokens", "BIGINT", "tokens of blocks an earlier request needed: what an unbounded cache "
+       "could have served", "tokens"),
+    _c("device_hit_tokens", "BIGINT", "of hit_tokens, served from the serving replica's GPU", "tokens"),
+    _c("host_hit_tokens", "BIGINT", "of hit_tokens, loaded from its CPU tier", "tokens"),
+    _c("disk_hit_tokens", "BIGINT", "of hit_tokens, loaded from its disk tier", "tokens"),
+    _c("remote_hit_tokens", "BIGINT", "of hit_tokens, loaded from the shared pool or another replica",
        "tokens"),
     _c("cached_tokens", "BIGINT", "prefix-cache hit tokens as the engine reported, when known", "tokens"),
     _c("dominant_miss", "outcome", "the miss outcome with the most tokens; NULL for a full hit"),
@@ -546,11 +581,44 @@ RECONCILIATION = Table("reconciliation", "analysis",
        "tokens"),
 ))
 
+TIER_RECONCILIATION = Table(
+    "tier_reconciliation", "analysis",
+    "Hit tokens by source per replica: the ledger's, the engine's per request, its counters'.", (
+    *_OUTCOME_KEY,
+    _c("source", "VARCHAR", "device (GPU), host (CPU), disk, or remote (the shared pool, a peer, a "
+       "connector)"),
+    _c("ledger_hit_tokens", "BIGINT", "hit tokens the ledger attributes to the source", "tokens"),
+    _c("reported_tokens", "BIGINT", "the requests' own split of cached tokens (SGLang "
+       "cached_tokens_details), when reported", "tokens"),
+    _c("engine_counter_tokens", "BIGINT", "increase of vllm:prompt_tokens_cached_by_source (p2p and "
+       "external_unspecified as remote) or sglang:cached_tokens{cache_source}, when scraped", "tokens"),
+    _c("difference_tokens", "BIGINT", "the counter, else the reported split, minus the ledger", "tokens"),
+))
+
+TIER_PAYOFF = Table("tier_payoff", "analysis",
+                    "Per location and tier: blocks stored, demoted and evicted, and the hits it served.", (
+    _SCENARIO,
+    _c("replica", "VARCHAR", "the location: a replica, or `pool`"),
+    _c("tier", "VARCHAR", "gpu, cpu, disk or pool"),
+    _c("stored_blocks", "BIGINT", "store events into the tier (physical copies written)", "blocks"),
+    _c("stored_bytes", "BIGINT", "their KV bytes", "bytes"),
+    _c("removed_blocks", "BIGINT", "removal events from the tier", "blocks"),
+    _c("demoted_blocks", "BIGINT", "gpu tier: removals whose block stayed on a lower tier of the location "
+       "(a demotion, not an eviction)", "blocks"),
+    _c("evicted_blocks", "BIGINT", "removals that were not demotions", "blocks"),
+    _c("hit_blocks", "BIGINT", "hits the tier served", "blocks"),
+    _c("hit_tokens", "BIGINT", "their tokens", "tokens"),
+    _c("hit_bytes", "BIGINT", "their KV bytes", "bytes"),
+    _c("served_per_stored_ratio", "DOUBLE", "hit bytes over stored bytes", "ratio"),
+    _c("paid_off", "BOOLEAN", "the tier served at least the bytes written to it; NULL when nothing was "
+       "stored"),
+))
+
 LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
     SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REQUEST_SOURCES, REUSE, MRC, CAPACITY,
     TTL_COVERAGE, FLOWS, FANOUT, LATENCY_TAILS, PREFIX_RANKING, CROSSOVER, HYGIENE, ISOLATION_FINDINGS,
-    WARMUP, RECONCILIATION,
+    WARMUP, RECONCILIATION, TIER_RECONCILIATION, TIER_PAYOFF,
 )
 TABLES: dict[str, Table] = {t.name: t for t in LAKE_TABLES + ANALYSIS_TABLES}
 

@@ -45,10 +45,14 @@ def content(h: int) -> int:
 
 # -- the hand-built lake ----------------------------------------------------------------------
 
-# Scenario "hand": request R1 on replica A needs nine full blocks, one per outcome, then a tail.
+# Scenario "hand": request R1 on replica A needs nine full blocks, one per outcome, then a tail;
+# R3 runs on replica C, which published no event (unobserved); R4 on replica H, a hybrid model
+# (group 0 a 33-token sliding window: two 16-token blocks; group 1 full attention), whose one
+# block the full group holds but the sliding group does not (miss_group).
 H1, H2, H3, H4, H5, H6, H7, H8, H9, H10 = 101, 102, 103, 104, 105, 2**63 + 6, 107, 108, 109, 110
 H8_SALTED = 1108  # the same content as H8, keyed under the salted namespace
 H11 = 111  # R2's only (partial) block
+K1 = 121  # R4's block on the hybrid replica
 SALTED = "tenant-x-salt"
 
 # Scenario "clear": cleared events, one tier and all tiers; a transfer with a NULL receiver.
@@ -67,6 +71,8 @@ HAND_EXPECTED = [
     ("R1", 6, "A", Outcome.MISS_EVICTED, None, at(3), "A", None),
     ("R1", 7, "A", Outcome.MISS_INCOMPATIBLE, None, None, None, SALTED),
     ("R1", 8, "A", Outcome.MISS_COLD, None, None, None, None),
+    ("R3", 0, "C", Outcome.UNOBSERVED, None, None, None, None),
+    ("R4", 0, "H", Outcome.MISS_GROUP, None, None, None, None),
 ]
 
 CLEAR_EXPECTED = [
@@ -81,11 +87,14 @@ CLEAR_EXPECTED = [
 
 
 def _ev(ts: float, replica: str, seq: int, kind: str, h: int | None = None, medium: str | None = "gpu",
-        ns: str | None = "base", c: int | None = None) -> dict[str, Any]:
+        ns: str | None = "base", c: int | None = None, group: int | None = None,
+        window: int | None = None) -> dict[str, Any]:
+    spec = None if group is None else "sliding_window" if window else "full_attention"
     return {"ts_ns": at(ts), "recv_ns": at(ts), "replica": replica, "seq": seq, "kind": kind,
             "block_hash": h, "medium": medium, "block_tokens": BLOCK if h is not None else None,
             "content_hash": (c if c is not None else content(h)) if h is not None else None,
-            "namespace": ns if h is not None else None}
+            "namespace": ns if h is not None else None, "group_idx": group,
+            "spec_kind": spec if kind == "stored" else None, "sliding_window_tokens": window}
 
 
 def _request(rid: str, arrival: float, replica: str, prompt: int, queue_ms: float | None = 0.0,
@@ -133,17 +142,23 @@ def _write_hand(lake: Path) -> None:
         _ev(2, "B", 2, "cleared", medium="cpu"),  # empties B's CPU tier only: H6 stays on its GPU
         _ev(2, "pool", 1, "stored", H3, medium="pool"),
         _ev(2, "pool", 1, "stored", H4, medium="pool"),
+        _ev(1, "H", 1, "stored", K1, group=1),
+        _ev(1, "H", 1, "stored", H10, group=0, window=33),  # H's sliding group holds something else
     ]
     _write(lake, "hand", "kv_events", events)
     _write(lake, "hand", "requests", [
         _request("R0", 5, "A", BLOCK, cached=0),
         _request("R1", 10, "A", 9 * BLOCK + 5, queue_ms=2000.0, cached=3 * BLOCK),
         _request("R2", 20, "B", 10, queue_ms=None),
+        _request("R3", 14, "C", BLOCK + 1),
+        _request("R4", 15, "H", BLOCK + 2),
     ])
     _write(lake, "hand", "request_blocks", [
         *_blocks("R0", 5, [H1]),
         *_blocks("R1", 10, [H1, H2, H3, H4, H5, H6, H7, H8, H9], tail=(H10, 5)),
         *_blocks("R2", 20, [], tail=(H11, 10)),
+        *_blocks("R3", 14, [H1], tail=(H11, 1)),
+        *_blocks("R4", 15, [K1], tail=(H11, 2)),
     ])
     _write(lake, "hand", "transfers", [
         _xfer("R1", 12, "A", "pool", H3, "ok"),
@@ -209,13 +224,19 @@ def test_hand_block_outcomes_one_of_every_outcome(lake_con: duckdb.DuckDBPyConne
     assert out["tokens"].to_list() == [BLOCK] * len(HAND_EXPECTED)  # the tails are not needed blocks
     assert out["bytes"].to_list() == [BLOCK * BYTES_PER_TOKEN] * len(HAND_EXPECTED)
     assert out["scenario"].unique().to_list() == ["hand"]
-    assert out["block_hash"].to_list() == [H1, H1, H2, H3, H4, H5, H6, H7, H8, H9]  # 2**63 + 6 survives
-    assert out["arrival_ns"].to_list() == [at(5)] + [at(10)] * 9
+    # 2**63 + 6 (H6) survives
+    assert out["block_hash"].to_list() == [H1, H1, H2, H3, H4, H5, H6, H7, H8, H9, H1, K1]
+    assert out["arrival_ns"].to_list() == [at(5)] + [at(10)] * 9 + [at(14), at(15)]
+    assert out["cut_group"].to_list() == [None] * 11 + [0]  # the sliding group cut R4 short
+    # An unbounded cache would have served H1 to R1 and to R3: needed before, by R0.
+    assert out["reusable"].to_list() == [False, True] + [False] * 8 + [True, False]
 
 
 def test_hand_miss_ledger(lake_con: duckdb.DuckDBPyConnection) -> None:
     ledger = miss_ledger(block_outcomes=_outcomes(lake_con, "hand"))
-    expected = [("hand", "A", o.value, 1, BLOCK, BLOCK * BYTES_PER_TOKEN) for o in sorted(Outcome)]
+    where = {Outcome.UNOBSERVED: "C", Outcome.MISS_GROUP: "H"}
+    expected = sorted(("hand", where.get(o, "A"), o.value, 1, BLOCK, BLOCK * BYTES_PER_TOKEN)
+                      for o in Outcome)
     got = ledger.select("scenario", "replica", "outcome", "blocks", "tokens", "bytes").rows()
     assert sorted(got) == expected
     assert ledger.columns[:3] == ["scenario", "replica", "outcome"]
@@ -229,11 +250,15 @@ def test_hand_request_ledger(lake_con: duckdb.DuckDBPyConnection) -> None:
     assert got == [
         ("R0", "A", 16, 0, 16, 0, 0, 0),
         ("R1", "A", 149, 48, 0, 96, 5, 48),  # hits: local, offload, remote; 6 misses; 5-token tail
+        ("R3", "C", 17, 0, 0, 0, 1, None),  # unobserved: neither hit nor miss
+        ("R4", "H", 18, 0, 0, 16, 2, None),  # miss_group
         ("R2", "B", 10, 0, 0, 0, 10, None),  # only a partial block: no needed block at all
     ]
+    assert per.select("request_id", "unobserved_tokens", "reusable_tokens").rows() == [
+        ("R0", 0, 0), ("R1", 0, 16), ("R3", 16, 16), ("R4", 0, 0), ("R2", 0, 0)]
     for row in per.iter_rows(named=True):
         parts = (row["hit_tokens"] + row["recomputed_last_tokens"] + row["miss_tokens"]
-                 + row["tail_partial_tokens"])
+                 + row["unobserved_tokens"] + row["tail_partial_tokens"])
         assert parts == row["prompt_tokens"]
     assert per.filter(pl.col("request_id") == "R0")["dominant_miss"].to_list() == [None]
 
@@ -266,43 +291,53 @@ _CONTENTS = [0, 11, 12, 13]  # 0: unknown
 
 @st.composite
 def replay_inputs(draw: st.DrawFn, min_locs: int = 1, max_locs: int = 3) -> tuple[Any, ...]:
-    """Random small streams: few locations, tiers, hashes, namespaces and content hashes."""
+    """Random small streams: few locations (one perhaps the pool), tiers, KV cache groups (full
+    and sliding, windows of one to four 16-token blocks), hashes, namespaces and content hashes."""
     n_locs = draw(st.integers(min_locs, max_locs))
+    n_groups = draw(st.integers(1, 3))
+    windows = [draw(st.lists(st.sampled_from([0, 0, 17, 33, 64]), min_size=n_groups, max_size=n_groups))
+               for _ in range(n_locs)]
     events = draw(st.lists(st.tuples(
         st.integers(0, 40),  # ts
         st.sampled_from([0, 0, 0, 1, 1, 2]),  # stored, removed, cleared
         st.integers(0, n_locs - 1),
-        st.sampled_from([0, 1, 1, -1]),  # tier; -1 (both) only for a clear
+        st.sampled_from([0, 1, 2, 1, -1]),  # tier: gpu, cpu, disk; -1 (all) only for a clear
+        st.integers(0, n_groups - 1),  # group
         st.sampled_from(_HASHES),
         st.sampled_from(_CONTENTS),
         st.integers(-1, 2),  # namespace; -1: unknown
-    ), min_size=5, max_size=50))
-    events = [(ts, k, loc, (t if k == 2 else max(t, 0)), h, c, ns) for ts, k, loc, t, h, c, ns in events]
+        st.sampled_from([-1, -1, -1, 0, 1]),  # copies left after a removal; -1: not reported
+    ), min_size=5, max_size=60))
+    events = [(ts, k, loc, (t if k == 2 else max(t, 0)), g, h, c, ns, left if k == 1 else -1)
+              for ts, k, loc, t, g, h, c, ns, left in events]
     events.sort(key=lambda e: e[0])
     reqs = draw(st.lists(st.tuples(
         st.integers(5, 50), st.integers(0, n_locs - 1), st.booleans(),
         st.lists(st.tuples(st.sampled_from(_HASHES), st.sampled_from(_CONTENTS), st.integers(-1, 2),
-                           st.sampled_from([0] * 8 + [1, 2])), max_size=5),  # transfer: none, ok, failed
+                           st.sampled_from([0] * 8 + [1, 2])), max_size=7),  # transfer: none, ok, failed
     ), max_size=8))
     reqs.sort(key=lambda r: r[0])
     blocks = [b for r in reqs for b in r[3]]
     off = np.concatenate([[0], np.cumsum([len(r[3]) for r in reqs])]).astype(np.int64)
+    pool_loc = draw(st.sampled_from([-1, n_locs - 1]))
 
     def col(rows: list[tuple[Any, ...]], i: int, dtype: Any) -> np.ndarray:
         return np.array([r[i] for r in rows], dtype=dtype)
 
     return (col(events, 0, np.int64), col(events, 1, np.int8), col(events, 2, np.int32),
-            col(events, 3, np.int8), col(events, 4, np.int64), col(events, 5, np.int64),
-            col(events, 6, np.int32),
-            col(reqs, 0, np.int64), col(reqs, 1, np.int32), col(reqs, 2, np.bool_), off,
+            col(events, 3, np.int8), col(events, 4, np.int32), col(events, 5, np.int64),
+            col(events, 6, np.int64), col(events, 7, np.int32), col(events, 8, np.int64),
+            col(reqs, 0, np.int64), col(reqs, 1, np.int32), col(reqs, 2, np.bool_),
+            np.full(len(reqs), BLOCK, np.int64), off,
             col(blocks, 0, np.int64), col(blocks, 1, np.int64), col(blocks, 2, np.int32),
-            col(blocks, 3, np.int8), n_locs)
+            col(blocks, 3, np.int8), n_locs, pool_loc, np.array(windows, np.int64))
 
 
 def _assert_core_equals_oracle(args: tuple[Any, ...]) -> None:
     core = replay_core(*args)
     oracle = replay_py(*args)
-    names = ("outcome", "holder", "removed_ts", "remover", "other_namespace")
+    names = ("outcome", "holder", "removed_ts", "remover", "other_namespace", "cut_group", "group_mask",
+             "source")
     for name, got, want in zip(names, core, oracle, strict=True):
         assert np.asarray(got).tolist() == list(want), name
 
@@ -323,21 +358,27 @@ def test_replay_core_equals_oracle_past_one_bit_word(args: tuple[Any, ...]) -> N
 def test_replay_core_equals_oracle_on_hand_case() -> None:
     # A fixed case the random one may miss: a content hash first stored under the request's
     # own namespace, then under another: the *second* namespace is the key difference.
+    one = np.array([0, 0], np.int32)
     ev = (np.array([1, 2], np.int64), np.array([0, 0], np.int8), np.array([1, 1], np.int32),
-          np.array([0, 0], np.int8), np.array([7, 8], np.int64), np.array([50, 50], np.int64),
-          np.array([0, 1], np.int32))
+          np.array([0, 0], np.int8), one, np.array([7, 8], np.int64), np.array([50, 50], np.int64),
+          np.array([0, 1], np.int32), np.array([-1, -1], np.int64))
     ev_removed = (np.array([1, 2, 3], np.int64), np.array([0, 0, 1], np.int8), np.array([1, 1, 1], np.int32),
-                  np.array([0, 0, 0], np.int8), np.array([7, 8, 7], np.int64),
-                  np.array([50, 50, 50], np.int64), np.array([0, 1, 0], np.int32))
-    req = (np.array([10], np.int64), np.array([0], np.int32), np.array([True]), np.array([0, 1], np.int64),
-           np.array([9], np.int64), np.array([50], np.int64), np.array([0], np.int32), np.array([0], np.int8))
+                  np.array([0, 0, 0], np.int8), np.array([0, 0, 0], np.int32), np.array([7, 8, 7], np.int64),
+                  np.array([50, 50, 50], np.int64), np.array([0, 1, 0], np.int32),
+                  np.array([-1, -1, -1], np.int64))
+    # The request is on location 1, which published the events (on a location that published
+    # nothing, every block would be unobserved).
+    req = (np.array([10], np.int64), np.array([1], np.int32), np.array([True]), np.array([BLOCK], np.int64),
+           np.array([0, 1], np.int64), np.array([9], np.int64), np.array([50], np.int64),
+           np.array([0], np.int32), np.array([0], np.int8))
+    groups = (2, -1, np.zeros((2, 1), np.int64))
     for events in (ev, ev_removed):
-        args = (*events, *req, 2)
+        args = (*events, *req, *groups)
         core = [np.asarray(x).tolist() for x in replay_core(*args)]
         assert core == [list(x) for x in replay_py(*args)]
     # With 7 and 8 resident on location 1, hash 9 (never stored) is incompatible: other ns 1.
-    core = [np.asarray(x).tolist() for x in replay_core(*ev, *req, 2)]
-    assert core == [[list(Outcome).index(Outcome.MISS_INCOMPATIBLE)], [-1], [-1], [-1], [1]]
+    core = [np.asarray(x).tolist() for x in replay_core(*ev, *req, *groups)]
+    assert core[:5] == [[list(Outcome).index(Outcome.MISS_INCOMPATIBLE)], [-1], [-1], [-1], [1]]
 
 
 # -- block_outcomes over random small lakes (property tests) -----------------------------------
@@ -438,7 +479,7 @@ def test_outcomes_partition_needed_blocks(typed_con: duckdb.DuckDBPyConnection,
     assert per.height == frames["requests"].height
     for row in per.iter_rows(named=True):
         parts = (row["hit_tokens"] + row["recomputed_last_tokens"] + row["miss_tokens"]
-                 + row["tail_partial_tokens"])
+                 + row["unobserved_tokens"] + row["tail_partial_tokens"])
         assert parts == row["prompt_tokens"], row
     # The chain rule: after the first miss of a request, nothing is a hit.
     for _rid, group in out.sort("request_id", "position").group_by("request_id"):
@@ -482,7 +523,7 @@ def test_analyze_then_sql(hand_lake: Path, tmp_path: Path) -> None:
         [r, str(p), o.value, h or "", rem or "", k or ""] for r, p, _rep, o, h, _ts, rem, k in HAND_EXPECTED]
     per = run("sql", "--db", db, "--format", "csv",
               "select request_id, tail_partial_tokens from request_ledger where scenario = 'hand' order by 1")
-    assert per.stdout.splitlines()[1:] == ["R0,0", "R1,5", "R2,10"]
+    assert per.stdout.splitlines()[1:] == ["R0,0", "R1,5", "R2,10", "R3,1", "R4,2"]
     both = run("sql", "--db", db, "--lake", hand_lake, "--format", "csv",
                "select count(*) from block_outcomes b join requests r using (scenario, request_id)")
     assert both.stdout.splitlines()[1:] == [str(len(HAND_EXPECTED) + len(CLEAR_EXPECTED))]

@@ -37,7 +37,7 @@ def test_design_tables_are_all_declared() -> None:
         "scenarios", "block_outcomes", "miss_ledger", "request_ledger", "request_sources", "reuse",
         "mrc", "capacity", "ttl_coverage", "flows", "fanout", "latency_tails", "prefix_ranking", "crossover",
         "hygiene",
-        "isolation_findings", "warmup", "reconciliation",
+        "isolation_findings", "warmup", "reconciliation", "tier_reconciliation", "tier_payoff",
     }
 
 
@@ -64,10 +64,14 @@ def test_units_in_names_match_declared_units() -> None:
 
 def test_outcome_order_matches_design() -> None:
     design = [
-        "hit_local", "hit_offload", "hit_remote", "recomputed_last", "miss_load_failed", "miss_after_gap",
-        "miss_routing", "miss_evicted", "miss_incompatible", "miss_cold",
+        "hit_local", "hit_offload", "hit_remote", "recomputed_last", "miss_group", "miss_load_failed",
+        "miss_after_gap", "miss_routing", "miss_evicted", "miss_incompatible", "miss_cold", "unobserved",
     ]
     assert [o.value for o in Outcome] == design
+    # README's outcome table lists them in the same order, one row each.
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    rows = re.findall(r"^\| `([a-z_]+)` \|", readme[readme.index("| outcome |"):], re.M)
+    assert rows[:len(design)] == design
 
 
 def test_enum_columns_name_a_declared_vocabulary() -> None:

@@ -58,6 +58,14 @@ def _headline(ctx: Context) -> None:
         help=f"hit KV bytes over {fmt_bytes(ratios.get('prompt_bytes'))} of prompt KV ({geometry}, "
         f"{found.model_source or 'source unrecorded'})",
     )
+    if ratios.get("unobserved_tokens"):
+        prompt = ratios.get("prompt_tokens") or 0
+        unobserved = ratios["unobserved_tokens"] / prompt if prompt else None
+        reusable = (ratios.get("reusable_tokens") or 0) / prompt if prompt else None
+        st.info(f"{fmt_ratio(unobserved)} of prompt tokens ran on replicas that published no KV events "
+                "(outcome unobserved): whether they were cached is unknown. An unbounded cache could have "
+                f"served {fmt_ratio(reusable)} of all prompt tokens (modelled: every full block an earlier "
+                "request needed).")
     if worst:
         where = f"{worst['replica']}, " + (
             "whole scenario" if worst["window"] is None else f"{worst['window']:%H:%M}"

@@ -31,6 +31,7 @@ from collector.importer import import_files
 from kvlens.cli import cli
 from kvlens.lake import open_lake, write_scenario
 from kvlens.models import get_model
+from kvlens.schema import Outcome
 from sample_data import MOONCAKE_CONVERSATION
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -78,73 +79,103 @@ def _capture(lake: Path) -> tuple[Any, ...]:
     return captured[0]
 
 
-def dict_replay(ev_ts: Any, ev_kind: Any, ev_loc: Any, ev_tier: Any, ev_h: Any, ev_c: Any, ev_ns: Any,
-                req_t: Any, req_loc: Any, req_tail: Any, req_off: Any, blk_h: Any, blk_c: Any, blk_ns: Any,
-                blk_xfer: Any, n_locs: int) -> tuple[list[int], ...]:
-    """The replay core's decisions with plain dicts: residency[h] = bit mask of 2*loc + tier."""
+def dict_replay(ev_ts: Any, ev_kind: Any, ev_loc: Any, ev_tier: Any, ev_grp: Any, ev_h: Any, ev_c: Any,
+                ev_ns: Any, ev_left: Any, req_t: Any, req_loc: Any, req_tail: Any, req_bs: Any, req_off: Any,
+                blk_h: Any, blk_c: Any, blk_ns: Any, blk_xfer: Any, n_locs: int, pool_loc: int,
+                loc_window: Any) -> tuple[list[int], ...]:
+    """The replay core's decisions with plain dicts, for one full-attention group (the simulated
+    scenario's): residency[h] = bit mask of 3*loc + tier, copies beyond the first in ``extra``."""
+    assert loc_window.shape[1] == 1 and not loc_window.any(), "the plain-dict replay is for dense models"
+    del ev_grp, req_bs
     ev = list(zip(ev_ts.tolist(), ev_kind.tolist(), ev_loc.tolist(), ev_tier.tolist(), ev_h.tolist(),
-                  ev_c.tolist(), ev_ns.tolist(), strict=True))
+                  ev_c.tolist(), ev_ns.tolist(), ev_left.tolist(), strict=True))
     bh, bc, bn, bx = blk_h.tolist(), blk_c.tolist(), blk_ns.tolist(), blk_xfer.tolist()
     n = len(bh)
     out, holder, rem_ts, rem_loc, other = [-1] * n, [-1] * n, [-1] * n, [-1] * n, [-1] * n
+    cut, mask, served = [-1] * n, [0] * n, [-1] * n
+    published = {loc for _, kind, loc, *_ in ev if kind != 2}
     res: dict[int, int] = {}
+    extra: dict[tuple[int, int], int] = {}
     stored: set[int] = set()
     removed: dict[int, tuple[int, int]] = {}
     c_ns: dict[int, list[int]] = {}
+    codes = {o: i for i, o in enumerate(Outcome)}
+    here_mask = 7
     k = 0
     for i, t in enumerate(req_t.tolist()):
         while k < len(ev) and ev[k][0] < t:
-            ts, kind, loc, tier, h, c, ns = ev[k]
+            ts, kind, loc, tier, h, c, ns, left = ev[k]
             k += 1
             if kind == 2:
-                sel = (3 << 2 * loc) if tier < 0 else (1 << 2 * loc + tier)
+                sel = (here_mask << 3 * loc) if tier < 0 else (1 << 3 * loc + tier)
                 for hh, m in list(res.items()):
                     if m & sel:
                         res[hh] = m & ~sel
                         removed[hh] = (ts, loc)
-            elif kind == 0:
-                res[h] = res.get(h, 0) | (1 << 2 * loc + tier)
+                        for bit in range(3 * n_locs):
+                            if sel >> bit & 1:
+                                extra.pop((hh, bit), None)
+                continue
+            bit = 3 * loc + tier
+            if kind == 0:
+                if res.get(h, 0) >> bit & 1:
+                    extra[(h, bit)] = extra.get((h, bit), 0) + 1
+                else:
+                    res[h] = res.get(h, 0) | (1 << bit)
                 stored.add(h)
                 if c and ns != -1 and ns not in c_ns.setdefault(c, []):
                     c_ns[c].append(ns)
-            elif res.get(h, 0) & (1 << 2 * loc + tier):
-                res[h] &= ~(1 << 2 * loc + tier)
+            elif res.get(h, 0) >> bit & 1:
+                after = left if left >= 0 else extra.get((h, bit), 0)
+                if after > 0:
+                    extra[(h, bit)] = after - 1
+                    continue
+                extra.pop((h, bit), None)
+                res[h] &= ~(1 << bit)
                 removed[h] = (ts, loc)
         r = int(req_loc[i])
+        b0, b1 = int(req_off[i]), int(req_off[i + 1])
+        if r not in published:
+            out[b0:b1] = [codes[Outcome.UNOBSERVED]] * (b1 - b0)
+            continue
         chain = True
-        for j in range(int(req_off[i]), int(req_off[i + 1])):
+        for j in range(b0, b1):
             m = res.get(bh[j], 0)
-            gpu, low, x = m >> 2 * r & 1, m >> 2 * r + 1 & 1, bx[j]
-            if chain and (gpu or low or x == 1):
-                out[j] = 0 if gpu else 1 if low else 2
+            bits, x = m >> 3 * r & 7, bx[j]
+            pooled = pool_loc >= 0 and m >> 3 * pool_loc & 7 != 0
+            mask[j] = 1
+            if chain and (bits or x == 1 or (pooled and x != 2)):
+                served[j] = (0 if bits & 1 else 1 if bits & 2 else 2) if bits else 3 if x == 1 else 4
+                out[j] = codes[(Outcome.HIT_LOCAL, Outcome.HIT_OFFLOAD, Outcome.HIT_OFFLOAD,
+                                Outcome.HIT_REMOTE, Outcome.HIT_REMOTE)[served[j]]]
                 continue
             chain = False
+            rest = m & ~(here_mask << 3 * r) & ~((here_mask << 3 * pool_loc) if pool_loc >= 0 else 0)
             if x == 2:
-                out[j] = 4
-            elif gpu or low or x == 1:
-                out[j] = 5
-            elif m & ~(3 << 2 * r):
-                rest = m & ~(3 << 2 * r)
-                out[j], holder[j] = 6, ((rest & -rest).bit_length() - 1) // 2
+                out[j] = codes[Outcome.MISS_LOAD_FAILED]
+            elif bits or x == 1 or pooled:
+                out[j] = codes[Outcome.MISS_AFTER_GAP]
+            elif rest:
+                out[j], holder[j] = codes[Outcome.MISS_ROUTING], ((rest & -rest).bit_length() - 1) // 3
             elif bh[j] in stored:
-                out[j] = 7
+                out[j] = codes[Outcome.MISS_EVICTED]
                 rem_ts[j], rem_loc[j] = removed.get(bh[j], (-1, -1))
             else:
                 others = [v for v in c_ns.get(bc[j], []) if v != bn[j]] if bc[j] and bn[j] != -1 else []
-                out[j], other[j] = (8, others[0]) if others else (9, -1)
-        last = int(req_off[i + 1]) - 1
-        if chain and not req_tail[i] and last >= int(req_off[i]):
-            out[last] = 3
-    return out, holder, rem_ts, rem_loc, other
+                out[j], other[j] = (codes[Outcome.MISS_INCOMPATIBLE], others[0]) if others else \
+                    (codes[Outcome.MISS_COLD], -1)
+        if chain and not req_tail[i] and b1 > b0:
+            out[b1 - 1], served[b1 - 1] = codes[Outcome.RECOMPUTED_LAST], -1
+    return out, holder, rem_ts, rem_loc, other, cut, mask, served
 
 
 def _prefix(args: tuple[Any, ...], n_req: int) -> tuple[Any, ...]:
     """The first ``n_req`` requests, their blocks, and the events before their last look-up."""
-    ev, (req_t, req_loc, req_tail, req_off), blk, n_locs = args[:7], args[7:11], args[11:15], args[15]
+    ev, (req_t, req_loc, req_tail, req_bs, req_off), blk = args[:9], args[9:14], args[14:18]
     n_blk = int(req_off[n_req])
     n_ev = int(np.searchsorted(ev[0], req_t[n_req - 1], side="left"))
-    return (*(a[:n_ev] for a in ev), req_t[:n_req], req_loc[:n_req], req_tail[:n_req], req_off[:n_req + 1],
-            *(a[:n_blk] for a in blk), n_locs)
+    return (*(a[:n_ev] for a in ev), req_t[:n_req], req_loc[:n_req], req_tail[:n_req], req_bs[:n_req],
+            req_off[:n_req + 1], *(a[:n_blk] for a in blk), *args[18:])
 
 
 def _best_of(n: int, fn: Any, *args: Any) -> tuple[float, Any]:
@@ -163,12 +194,12 @@ def main() -> bool:
         lake = _lake(Path(tmp))
         setup_s = time.perf_counter() - t0
         args = _capture(lake)
-        n_blk, n_ev = len(args[11]), len(args[0])
+        n_blk, n_ev = len(args[14]), len(args[0])
         core_s, core_full = _best_of(3, core, *args)
         dict_s, dict_full = _best_of(1, dict_replay, *args)
         dict_agree = all(np.asarray(a).tolist() == list(b) for a, b in zip(core_full, dict_full, strict=True))
         small = _prefix(args, ORACLE_REQUESTS)
-        n_small = len(small[11])
+        n_small = len(small[14])
         core_small_s, core_small = _best_of(3, core, *small)
         oracle_s, oracle_small = _best_of(1, replay_py, *small)
         agree = all(np.asarray(a).tolist() == list(b) for a, b in zip(core_small, oracle_small, strict=True))

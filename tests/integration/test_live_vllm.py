@@ -13,120 +13,43 @@ the gateway log, analyzes, and must agree with the engine request by request.
 
 from __future__ import annotations
 
-import http.server
 import json
-import os
 import random
 import signal
-import socket
 import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import duckdb
 import pytest
+from live_engine import (
+    ENGINE_ENV,
+    ENGINE_FLAGS,
+    HERE,
+    REPO,
+    VLLM_PYTHON,
+    Gateway,
+    close,
+    engine,
+    kvlens,
+    kvlens_run,
+    port,
+    post,
+    serve,
+    stop,
+)
 
-from kvlens.cli import main as kvlens_main
 from kvlens.lake import open_lake
 from kvlens.query import query
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
 
-VLLM_PYTHON = os.environ.get("KVLENS_VLLM_PYTHON")
-HERE = Path(__file__).parent
-REPO = HERE.parents[1]
-BLOCK = 32
 REQUESTS = 60  # about 250 distinct blocks through a 96-block cache: reuse and evictions both
-
-# The engine flags README.md shows under "Point kvlens at your vLLM" (a test checks it does).
-ENGINE_FLAGS = [
-    "--block-size", str(BLOCK), "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
-    "--enable-prompt-tokens-details",
-]
-ENGINE_ENV = {"PYTHONHASHSEED": "0", "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
 KILL_COLLECTOR_AT, RESTART_COLLECTOR_AT, RESTART_ENGINE_AT = 20, 25, 40
-# Only for this test's CPU engine: a tiny cache (evictions happen), few sequences, little memory.
-TEST_ONLY_FLAGS = ["--num-gpu-blocks-override", "96", "--max-num-seqs", "8", "--dtype", "bfloat16",
-                   "--max-model-len", "2048", "--gpu-memory-utilization", "0.1"]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _spawn(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=env)
-
-
-def _kvlens(*args: str, log: Path) -> subprocess.Popen[bytes]:
-    return _spawn([sys.executable, "-m", "kvlens.cli", *args], log)
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=120) as r:
-            return json.loads(r.read())  # type: ignore[no-any-return]
-    except urllib.error.HTTPError as e:
-        pytest.fail(f"the engine answered {e.code}: {e.read()[:500]!r}")
-
-
-class _Gateway(http.server.ThreadingHTTPServer):
-    """A small gateway: forwards completions to the engine and logs each as a gateway line."""
-
-    def __init__(self, engine_url: str) -> None:
-        super().__init__(("127.0.0.1", 0), _GatewayHandler)
-        self.engine_url, self.lines, self.lock = engine_url, [], threading.Lock()
-        self.lines: list[dict[str, Any]]
-
-
-class _GatewayHandler(http.server.BaseHTTPRequestHandler):
-    server: _Gateway
-
-    def do_POST(self) -> None:
-        arrival = time.time()
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        reply = _post(self.server.engine_url + self.path, body)
-        usage = reply["usage"]
-        with self.server.lock:
-            self.server.lines.append({
-                "request_id": reply["id"], "arrival_s": arrival, "replica": "replica-a", "model": "tiny",
-                "session_id": body.get("user"), "prompt_tokens": usage["prompt_tokens"],
-                "output_tokens": usage["completion_tokens"],
-                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"], "token_ids": body["prompt"],
-                "block_size": BLOCK, "hash_algo": "sha256_cbor", "hash_seed": "0"})
-        out = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(out)))
-        self.end_headers()
-        self.wfile.write(out)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
-def _wait_healthy(url: str, engine: subprocess.Popen[bytes], log: Path, timeout_s: float = 600) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if engine.poll() is not None:
-            pytest.fail(f"the engine exited ({engine.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(2)
-    pytest.fail(f"the engine was not healthy after {timeout_s} s:\n{log.read_text()[-3000:]}")
+# Only for this test's CPU engine: a tiny cache, so evictions happen.
+CACHE_FLAGS = ["--num-gpu-blocks-override", "96"]
 
 
 def _workload(rng: random.Random, vocab: int) -> Iterator[tuple[str, list[int], int]]:
@@ -141,48 +64,31 @@ def _workload(rng: random.Random, vocab: int) -> Iterator[tuple[str, list[int], 
         yield name, list(sessions[name]), 4 + i % 5
 
 
-def _stop(proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 class _Run:
     """The processes of one live run, and how to (re)start them."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.model, self.lake = tmp, tmp / "tiny", tmp / "lake"
-        self.ev, self.replay, self.otlp, self.api = (_port() for _ in range(4))
+        self.ev, self.replay, self.otlp, self.api = (port() for _ in range(4))
         self.starts = 0
 
     def collector(self) -> subprocess.Popen[bytes]:
         self.starts += 1
-        return _kvlens("collect", "vllm", "--endpoint", f"tcp://127.0.0.1:{self.ev}", "--bind",
+        return kvlens("collect", "vllm", "--endpoint", f"tcp://127.0.0.1:{self.ev}", "--bind",
                        "--replay", f"tcp://127.0.0.1:{self.replay}", "--replica", "replica-a",
                        "--model", "tiny", "--lake", str(self.lake), "--scenario", "run",
                        "--flush-seconds", "1", log=self.tmp / f"kv{self.starts}.log")
 
     def receiver(self) -> subprocess.Popen[bytes]:
-        return _kvlens("collect", "otlp", "--listen", f"127.0.0.1:{self.otlp}", "--lake", str(self.lake),
+        return kvlens("collect", "otlp", "--listen", f"127.0.0.1:{self.otlp}", "--lake", str(self.lake),
                        "--scenario", "run-spans", "--replica", "replica-a", "--flush-seconds", "1",
                        log=self.tmp / "otlp.log")
 
     def engine(self, n: int) -> subprocess.Popen[bytes]:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{self.ev}",
                   "replay_endpoint": f"tcp://127.0.0.1:{self.replay}", "topic": "kv@replica-a@tiny"}
-        log = self.tmp / f"engine{n}.log"
-        proc = _spawn([VLLM_PYTHON or "", "-m", "vllm.entrypoints.openai.api_server",
-                       "--model", str(self.model), "--host", "127.0.0.1", "--port", str(self.api),
-                       *ENGINE_FLAGS, *TEST_ONLY_FLAGS,
-                       "--otlp-traces-endpoint", f"http://127.0.0.1:{self.otlp}/v1/traces",
-                       "--kv-events-config", json.dumps(events)], log,
-                      env={**os.environ, **ENGINE_ENV, "HF_HUB_OFFLINE": "1"})
-        _wait_healthy(f"http://127.0.0.1:{self.api}/health", proc, log)
-        return proc
+        return engine(self.model, self.api, self.tmp / f"engine{n}.log", events, *CACHE_FLAGS,
+                      "--otlp-traces-endpoint", f"http://127.0.0.1:{self.otlp}/v1/traces")
 
     def scrape(self) -> None:
         assert kvlens_run("collect", "scrape", "--url", f"http://127.0.0.1:{self.api}/metrics", "--replica",
@@ -198,10 +104,9 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     subprocess.run([VLLM_PYTHON, str(HERE / "make_tiny_model.py"), str(run.model)], check=True, timeout=300)
     vocab = json.loads((run.model / "config.json").read_text())["vocab_size"]
     collector, receiver = run.collector(), run.receiver()
-    engine = run.engine(1)
-    gateway = _Gateway(f"http://127.0.0.1:{run.api}")
-    threading.Thread(target=gateway.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{gateway.server_address[1]}/v1/completions"
+    proc = run.engine(1)
+    gateway = Gateway(f"http://127.0.0.1:{run.api}")
+    thread, url = serve(gateway)
     killed = None
     try:
         for i, (session, prompt, max_tokens) in enumerate(_workload(random.Random(0), vocab)):
@@ -213,17 +118,16 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
                 time.sleep(3)  # let it subscribe before the next batch; what it missed it replays
             if i == RESTART_ENGINE_AT:
                 run.scrape()  # the counters before they restart from zero
-                _stop(engine, 120)
-                engine = run.engine(2)
-            _post(url, {"model": str(run.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                        "user": session})
+                stop(proc, 120)
+                proc = run.engine(2)
+            post(url, {"model": str(run.model), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                       "user": session})
         run.scrape()
     finally:
-        gateway.shutdown()
-        gateway.server_close()
-        _stop(engine, 120)  # its span exporter flushes on shutdown
-        _stop(receiver)
-        _stop(collector)
+        close(gateway, thread)
+        stop(proc, 120)  # its span exporter flushes on shutdown
+        stop(receiver)
+        stop(collector)
     assert killed == -signal.SIGKILL
     for proc, log in ((collector, f"kv{run.starts}.log"), (receiver, "otlp.log")):
         assert proc.returncode == 0, (run.tmp / log).read_text()[-3000:]
@@ -234,14 +138,6 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
     assert kvlens_run("analyze", "--lake", str(run.lake), "--db", str(db), "--scenario", "run", "--model",
                       "llama-3.1-8b", "--join", "run-spans", "--metrics-from", "run-metrics") == 0
     yield {"db": db, "client": gateway.lines, "lake": run.lake}
-
-
-def kvlens_run(*args: str) -> int:
-    try:
-        kvlens_main(list(args))
-    except SystemExit as e:
-        return int(e.code or 0)
-    return 0
 
 
 def _query(db: Path, sql: str) -> list[tuple[Any, ...]]:
