@@ -70,7 +70,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
         scenario=scenario, bytes_per_token=per_token, group_bytes_per_token=group_bytes_per_token(model))
     per_request = request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario)
-    origin = scenario_provenance(requests=requests, scenario=scenario)
+    origin = scenario_provenance(requests=requests, scenario=scenario, simulations=con.table("simulations"))
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
         "requests": [per_request.height], "needed_blocks": [outcomes.height],

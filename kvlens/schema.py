@@ -271,6 +271,26 @@ PROBE_RUNS = Table("probe_runs", "lake", "One row per GPU-probe measurement.", (
     _c("source", "VARCHAR", "gpu, cpu or model"),
 ), time_column="ts_ns")
 
+SIMULATIONS = Table("simulations", "lake",
+                    "One row per what-if written by kvlens simulate: what its modelled figures assume.", (
+    _c("created_ns", "BIGINT", "when kvlens simulate wrote it (wall clock)", "ns"),
+    _SCENARIO,
+    _c("engine", "VARCHAR", "vllm (block pool + continuous batching) or lru"),
+    _c("replicas", "INTEGER", "replicas simulated"),
+    _c("routing", "routing_policy", "routing policy"),
+    _c("load_factor", "DOUBLE", "load fallback factor K; NULL without fallback"),
+    _c("gpu_blocks", "INTEGER", "KV blocks per replica as vLLM counts --num-gpu-blocks-override; NULL for "
+       "an unbounded or lru cache", "blocks"),
+    _c("capacity_tokens", "BIGINT", "lru: cached tokens per replica; NULL: unbounded", "tokens"),
+    _c("pool_tokens", "BIGINT", "shared pool, in tokens; NULL: none", "tokens"),
+    _c("max_seqs", "INTEGER", "running sequences per replica"),
+    _c("max_batched_tokens", "INTEGER", "vllm: tokens per scheduler step", "tokens"),
+    _c("rate_scale", "DOUBLE", "arrivals replayed this many times denser", "ratio"),
+    _c("model", "VARCHAR", "model geometry the bytes and step times use"),
+    _c("step_model", "VARCHAR", "how times were modelled (device, efficiency, probe fit or calibration)"),
+    _c("assumptions", "VARCHAR", "all of it in words, as the report and dashboard print it"),
+), time_column="created_ns")
+
 _OUTCOME_KEY = (_SCENARIO, _c("replica", "VARCHAR", "serving replica"))
 
 SCENARIOS = Table("scenarios", "analysis", "One row per analyzed scenario: what it was measured with.", (
@@ -614,7 +634,8 @@ TIER_PAYOFF = Table("tier_payoff", "analysis",
        "stored"),
 ))
 
-LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS)
+LAKE_TABLES: tuple[Table, ...] = (KV_EVENTS, REQUESTS, REQUEST_BLOCKS, TRANSFERS, METRIC_SAMPLES, PROBE_RUNS,
+                                  SIMULATIONS)
 ANALYSIS_TABLES: tuple[Table, ...] = (
     SCENARIOS, BLOCK_OUTCOMES, MISS_LEDGER, REQUEST_LEDGER, REQUEST_SOURCES, REUSE, MRC, CAPACITY,
     TTL_COVERAGE, FLOWS, FANOUT, LATENCY_TAILS, PREFIX_RANKING, CROSSOVER, HYGIENE, ISOLATION_FINDINGS,

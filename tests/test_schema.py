@@ -32,7 +32,7 @@ def test_core_column_names_exist() -> None:
 
 def test_design_tables_are_all_declared() -> None:
     assert {t.name for t in LAKE_TABLES} == {
-        "kv_events", "requests", "request_blocks", "transfers", "metric_samples", "probe_runs"}
+        "kv_events", "requests", "request_blocks", "transfers", "metric_samples", "probe_runs", "simulations"}
     assert {t.name for t in ANALYSIS_TABLES} == {
         "scenarios", "block_outcomes", "miss_ledger", "request_ledger", "request_sources", "reuse",
         "mrc", "capacity", "ttl_coverage", "flows", "fanout", "latency_tails", "prefix_ranking", "crossover",
