@@ -160,7 +160,11 @@ def _covered(lo: np.ndarray, hi: np.ndarray, us: np.ndarray, ue: np.ndarray) -> 
 
 def calibrated(spans: pl.DataFrame, model: ModelGeometry, scenario: str,
                device: DeviceModel = DEFAULT_DEVICE) -> StepModel:
-    """Fit the step model to ``spans`` (requests rows with measured prefill, queue and TTFT times)."""
+    """Fit the step model to ``spans`` (requests rows with measured prefill, queue and TTFT times).
+
+    A ``source_request_id`` column (``join_sources(matched_ids=True)``) names each span's request
+    as the replayed trace does; the front-end delays are keyed by it too.
+    """
     need = ("prefill_ms", "queue_ms", "ttft_ms", "prompt_tokens", "cached_tokens", "output_tokens",
             "first_token_ns", "end_ns")
     missing = [c for c in need if c not in spans.columns]
@@ -197,6 +201,11 @@ def calibrated(spans: pl.DataFrame, model: ModelGeometry, scenario: str,
     before = (rows["ttft_ms"] - rows["queue_ms"] - rows["prefill_ms"] - wait).clip(lower_bound=0.0)
     frontend = dict(zip(rows["request_id"].to_list(), before.to_list(), strict=True)) \
         if "request_id" in rows.columns else None
+    if frontend is not None and "source_request_id" in rows.columns:
+        # The replayed trace names requests by its own ids (a gateway's API id where the spans
+        # carry the engine's <id>-<n>): each measured delay is found under both.
+        frontend.update((s, d) for s, d in zip(rows["source_request_id"].to_list(), before.to_list(),
+                                               strict=True) if s is not None)
     p = np.zeros(N_PARAMS)
     p[0], p[2] = base, b
     _pool_terms(p, model, device)

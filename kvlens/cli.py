@@ -346,7 +346,8 @@ def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, engine: s
     geometry, _ = _scenario_model(con, source, model, model_config)
     step = None
     if calibrate is not None:
-        spans, _report = join_sources(requests=con.table("requests"), scenario=calibrate, sources=[source])
+        spans, _report = join_sources(requests=con.table("requests"), scenario=calibrate, sources=[source],
+                                      matched_ids=True)
         step = step_time.calibrated(spans, geometry, calibrate)
     elif engine == "vllm":
         probe = cost_model(probe_runs=con.table("probe_runs"), model=geometry)

@@ -166,7 +166,9 @@ def test_whatif_shows_every_scenario(db: str, cur: duckdb.DuckDBPyConnection) ->
     labels = [m.label for m in at.metric]
     # every scenario of the demo's DB is a simulated what-if (scenarios.provenance): modelled
     assert labels == [f"{n}: token hit ratio (modelled)" for n in names]
-    assert any("Modelled, not measured" in c.value and "TTFT = queue" in c.value for c in at.caption)
+    # the caption names the engine the what-if was simulated with (table simulations), not the LRU's model
+    assert any("Modelled, not measured" in c.value and "kvlens simulate --engine vllm:" in c.value
+               and "step times" in c.value for c in at.caption)
     tails = at.dataframe[-1].value
     assert set(tails["ttft"]) == {"modelled"}
 

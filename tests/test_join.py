@@ -82,6 +82,25 @@ def test_vllm_suffixed_engine_ids_match_for_every_index(tmp_path: Path,
     assert row["only_in_source"] == len(spans) - 5
 
 
+def test_suffixed_ids_match_when_the_spans_are_the_scenario(tmp_path: Path) -> None:
+    # Calibration joins the other way round: the spans' scenario (engine ids <id>-<n>) takes the
+    # gateway's cached tokens (API ids). Two engine requests of one call share a gateway row: ambiguous.
+    root = tmp_path / "lake"
+    with SegmentWriter(root, "requests", scenario="spans", replace=True) as w:
+        w.append_rows([{"request_id": rid, "arrival_ns": T0, "ttft_ms": 1.0, "source": "otlp"}
+                       for rid in ("cmpl-a-0", "chatcmpl-b_2", "cmpl-d-0", "cmpl-d-1", "zzz-0")])
+    with SegmentWriter(root, "requests", scenario="gw", replace=True) as w:
+        w.append_rows([{"request_id": rid, "arrival_ns": T0, "cached_tokens": n, "source": "gateway"}
+                       for rid, n in (("cmpl-a", 16), ("chatcmpl-b", 32), ("cmpl-d", 48))])
+    con = duckdb.connect()
+    open_lake(con, root)
+    joined, report = join_sources(requests=con.table("requests"), scenario="spans", sources=["gw"])
+    assert joined.select("request_id", "cached_tokens").rows() == [
+        ("cmpl-a-0", 16), ("chatcmpl-b_2", 32), ("cmpl-d-0", None), ("cmpl-d-1", None), ("zzz-0", None)]
+    row = report.row(0, named=True)
+    assert (row["matched"], row["matched_by_suffix"], row["ambiguous"], row["missing"]) == (2, 2, 2, 3)
+
+
 def test_analyze_join_lets_the_ledger_be_cut_by_ttft(lake: Path, tmp_path: Path) -> None:
     db = tmp_path / "a.duckdb"
     runner = CliRunner()
