@@ -28,7 +28,6 @@ from pathlib import Path
 import duckdb
 
 from kvlens.errors import ConfigError, KvlensError
-from kvlens.marker import MARKER
 from kvlens.schema import LAKE_TABLES
 
 __all__ = ["lake_view_dirs", "lock_down", "refusal", "sandbox_config"]
@@ -112,13 +111,15 @@ def refusal(con: duckdb.DuckDBPyConnection, text: str) -> str | None:
 
 
 def lake_view_dirs(con: duckdb.DuckDBPyConnection, database: str) -> list[Path]:
-    """The lake table directories the views of ``database`` read (each a kvlens lake's table)."""
+    """The lake table directories the views of ``database`` read: only globs of the exact shape
+    ``open_lake`` writes, ending in a lake table's name, are taken (a lake that has moved since
+    then still fails with DuckDB's "no files found" naming the old path)."""
     tables = {t.name for t in LAKE_TABLES}
     dirs = set()
     for (sql,) in con.execute(_DB_VIEWS_SQL, [database]).fetchall():
         for m in _VIEW_GLOB.finditer(sql):
             path = Path(m.group(1).replace("''", "'"))
-            if path.name in tables and (path.parent / MARKER).is_file():
+            if path.name in tables and path.is_absolute():
                 dirs.add(path)
     return sorted(dirs)
 
