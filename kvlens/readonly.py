@@ -94,6 +94,8 @@ def refusal(con: duckdb.DuckDBPyConnection, text: str) -> str | None:
     kind = _kind(statements[0])
     if kind in _READ_KINDS:
         return None
+    if kind == "MULTI":  # DuckDB runs a PIVOT without IN (...) as CREATE TYPE, then SELECT
+        return "MULTI (a PIVOT without ON ... IN (...): name the values to pivot on)"
     if kind != "EXPLAIN":
         return kind
     verdicts = []
