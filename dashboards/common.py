@@ -73,9 +73,9 @@ def connection(db: str) -> duckdb.DuckDBPyConnection:
 def cursor(db: str) -> duckdb.DuckDBPyConnection:
     """This rerun's cursor on the shared connection, reading the analysis DB and nothing else."""
     cur = connection(db).cursor()
-    # A cursor is a new DuckDB session: settings made on the connection do not carry over.
+    # A cursor is a new DuckDB session: USE does not carry over. The lock does (kvlens.query.connect
+    # opens the database with external access off, Python replacement scans off, settings locked).
     cur.execute("USE analysis")
-    cur.execute("SET python_enable_replacements = false")  # never scan a Python variable by name
     return cur
 
 

@@ -3,23 +3,31 @@
 The file holds the analysis tables (typed as kvlens/schema.py declares them), the schema's
 ENUM types, and views over the lake by absolute path, so ``duckdb kvlens.duckdb`` answers
 SQL over raw and derived data alike. Readers never see a half-built file: it is written
-under a temporary name and renamed over the old one.
+under a temporary name and renamed over the old one; a build that was killed leaves that
+name behind, and the next build removes it (the name carries the builder's process id).
 """
 
 from __future__ import annotations
 
+import glob
 import os
-import uuid
+import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import duckdb
 import polars as pl
 
+from kvlens.commit import remove_dead_tmp, tmp_name
+from kvlens.errors import ConfigError, InputError
 from kvlens.lake import create_enum_types, open_lake
 from kvlens.schema import ANALYSIS_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["build_analysis_db"]
+__all__ = ["attach_analysis_db", "build_analysis_db", "check_duckdb_file", "remove_dead_leftovers"]
+
+# A DuckDB file starts with an 8-byte checksum and the magic "DUCK" (storage format docs:
+# https://duckdb.org/docs/stable/internals/storage).
+_MAGIC, _MAGIC_AT = b"DUCK", 8
 
 Compute = Callable[[duckdb.DuckDBPyConnection], Iterable[tuple[str, pl.DataFrame]]]
 
@@ -43,19 +51,90 @@ def _insert(con: duckdb.DuckDBPyConnection, name: str, frame: pl.DataFrame) -> N
     con.unregister("_frame")
 
 
-def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute) -> Path:
-    """Build the analysis DB at ``db`` from ``lake``; ``compute`` yields (table, frame) pairs."""
+def check_duckdb_file(path: str | os.PathLike[str]) -> Path:
+    """``path`` if it is an existing DuckDB file; else a one-line ConfigError saying what it is."""
+    p = Path(path)
+    if not p.exists():
+        raise ConfigError(f"analysis DB {p} does not exist: run kvlens analyze --lake LAKE --db {p} first")
+    if not p.is_file():
+        raise ConfigError(f"analysis DB {p} is not a file: pass the file kvlens analyze wrote")
+    try:
+        with open(p, "rb") as f:
+            head = f.read(_MAGIC_AT + len(_MAGIC))
+    except OSError as e:
+        raise ConfigError(f"analysis DB {p} cannot be read ({e.strerror}): check its permissions") from None
+    if head[_MAGIC_AT:] != _MAGIC:
+        raise ConfigError(f"{p} is not a DuckDB file: pass the analysis DB kvlens analyze wrote")
+    return p
+
+
+def attach_analysis_db(con: duckdb.DuckDBPyConnection, db: str | os.PathLike[str], alias: str) -> None:
+    """Attach the analysis DB ``db`` to ``con`` read-only as ``alias`` (one-line errors)."""
+    path = check_duckdb_file(db).resolve()
+    try:
+        con.execute(f"ATTACH {_quoted(str(path))} AS {alias} (READ_ONLY)")
+    except duckdb.Error as e:
+        raise ConfigError(f"cannot open analysis DB {path}: {str(e).splitlines()[0]}: "
+                          "pass a file written by kvlens analyze (rerun it if this one is damaged)") from None
+
+
+def _quoted(text: str) -> str:
+    # ATTACH takes no bound parameters; the path is quoted as a SQL literal.
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _lake_read_error(e: duckdb.Error, lake: str | os.PathLike[str]) -> Exception:
+    """A DuckDB error that names a file of the lake is a damaged segment; anything else is a bug."""
+    first = str(e).splitlines()[0]
+    if str(Path(lake).resolve()) in first:
+        return InputError(f"{first}: a lake segment is damaged; move the file it names out of the lake "
+                          "and rerun (the other segments are intact)")
+    return e
+
+
+def _target(db: str | os.PathLike[str]) -> Path:
+    """Where the DB goes: a new path, or an existing DuckDB file to replace (never anything else)."""
     final = Path(db).resolve()
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f".{final.name}.{uuid.uuid4().hex[:8]}.tmp")
+    if final.is_dir():
+        raise ConfigError(f"--db {db} is a directory: name the analysis DB file, "
+                          f"e.g. {Path(db) / 'kvlens.duckdb'}")
+    if final.exists():
+        check_duckdb_file(final)  # replace an analysis DB, never some other file
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the directory of --db {db} ({e.strerror}): "
+                          "choose a path whose parent is (or can be made) a directory") from None
+    return final
+
+
+def remove_dead_leftovers(db: str | os.PathLike[str]) -> int:
+    """Remove what builds of ``db`` by processes now dead left beside it (the half-written DB,
+    its WAL and DuckDB's spill directory); returns how many were removed."""
+    final = Path(db).resolve()
+    return remove_dead_tmp(final.parent.glob(f".{glob.escape(final.name)}.*.tmp*"))
+
+
+def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute) -> Path:
+    """Build the analysis DB at ``db`` from ``lake``; ``compute`` yields (table, frame) pairs.
+
+    It is written under a hidden name that carries this process's id, beside the target, and
+    renamed over it; leftovers of killed builds are removed first (``remove_dead_leftovers``).
+    """
+    final = _target(db)
+    remove_dead_leftovers(final)
+    tmp = final.with_name(tmp_name(final.name))
     try:
         con = duckdb.connect(str(tmp))
         try:
             create_enum_types(con)
             open_lake(con, lake)
             _create_tables(con)
-            for name, frame in compute(con):
-                _insert(con, name, frame)
+            try:
+                for name, frame in compute(con):
+                    _insert(con, name, frame)
+            except duckdb.Error as e:
+                raise _lake_read_error(e, lake) from None
             con.execute("CHECKPOINT")
         finally:
             con.close()
@@ -63,4 +142,5 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
     finally:
         for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
             leftover.unlink(missing_ok=True)
+        shutil.rmtree(tmp.with_name(tmp.name + ".tmp"), ignore_errors=True)  # DuckDB's spill directory
     return final

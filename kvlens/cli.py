@@ -1,6 +1,8 @@
 """The spine's command line: thin click commands over the packages, imported lazily.
 
-Every KvlensError becomes one ``Error:`` line and exit status 1; bugs keep their tracebacks.
+Every KvlensError, and every usage error (a missing or bad flag, an unknown command), becomes
+one ``Error:`` line and exit status 1 (click's default for usage errors is 2, with the usage
+text); bugs keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -25,14 +27,36 @@ def _routing_policies() -> list[Any]:
     return list(RoutingPolicy)
 
 
+def _one_line(text: str) -> str:
+    return " ".join(part.strip() for part in text.splitlines() if part.strip())
+
+
+def _usage_error(e: click.UsageError) -> click.ClickException:
+    """A usage error as one ``Error:`` line that says where and points at --help (exit 1)."""
+    where = e.ctx.command_path if e.ctx is not None else "kvlens"
+    if isinstance(e, click.exceptions.NoArgsIsHelpError) and isinstance(e.ctx.command, click.Group):
+        names = ", ".join(e.ctx.command.list_commands(e.ctx))
+        return click.ClickException(f"{where} needs a command ({names}): see {where} --help")
+    return click.ClickException(f"{_one_line(e.format_message())} (see {where} --help)")
+
+
 class _Group(click.Group):
-    """Turns a KvlensError from any command into click's one-line ``Error:`` and exit 1."""
+    """Turns a KvlensError or a usage error from any command into one ``Error:`` line and exit 1."""
+
+    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.UsageError as e:
+            raise _usage_error(e) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except KvlensError as e:
-            raise click.ClickException(str(e)) from e
+            raise click.ClickException(_one_line(str(e))) from e
+        except click.UsageError as e:
+            raise _usage_error(e) from None
 
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -104,13 +128,33 @@ def _model_name(model: str | None, model_config: str | None) -> str | None:
 @_model_config_option
 @click.option("--skip-bad-lines", is_flag=True, help="Count and skip lines that do not parse.")
 @click.option("--t0", default=None, help="Anchor for traces with relative times (ISO time, UTC).")
+@click.option("--allow-empty", is_flag=True,
+              help="Replace the scenario even when the files hold no rows (default: refuse, keep it).")
 def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
-               model_config: str | None, skip_bad_lines: bool, t0: str | None) -> None:
+               model_config: str | None, skip_bad_lines: bool, t0: str | None, allow_empty: bool) -> None:
     """Import trace FILES of FORMAT into the lake (requests, request_blocks).
 
     Example: kvlens import mooncake conversation_trace.jsonl --lake lake --scenario conv
     """
+    from contextlib import nullcontext
+
+    from kvlens.errors import EmptyReplaceError
+    from kvlens.lake import empty_replace_allowed
+
     model = _model_name(model, model_config)
+
+    try:
+        with empty_replace_allowed() if allow_empty else nullcontext():
+            _import(fmt, files, lake, scenario, model, skip_bad_lines, t0)
+    except EmptyReplaceError:
+        raise EmptyReplaceError(
+            f"{', '.join(files)}: no rows read, so nothing was replaced: scenario {scenario!r} of {lake} "
+            "keeps its previous rows; check the file(s), or pass --allow-empty to empty the scenario"
+        ) from None
+
+
+def _import(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
+            skip_bad_lines: bool, t0: str | None) -> None:
     if fmt == "vllm-events":  # frames recorded by `kvlens collect vllm --record` -> kv_events
         from collector.vllm_events import import_capture
 
@@ -387,7 +431,8 @@ def collect_group() -> None:
 @_model_config_option
 @click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
 @click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
-@click.option("--metrics-port", type=int, default=None, help="Serve the collector's own /metrics here.")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve the collector's own /metrics here.")
 @click.option("--metrics-addr", default="127.0.0.1", show_default=True, help="Address for /metrics.")
 @click.option("--bind", is_flag=True, help="Bind the endpoint (publishers connect) instead of connecting.")
 @click.option("--config", default=None, type=click.Path(dir_okay=False),
@@ -412,8 +457,16 @@ def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, repli
     from prometheus_client import start_http_server
 
     from collector.live import CollectorOptions, LiveCollector, build_sources
+    from kvlens.config import check_zmq_endpoint
+    from kvlens.supervise import check_port_free
 
     model = _model_name(model, model_config)
+    if endpoint:
+        check_zmq_endpoint(endpoint, "--endpoint", bind=bind)
+    if replay:
+        check_zmq_endpoint(replay, "--replay")
+    if metrics_port is not None:
+        check_port_free(metrics_addr, metrics_port, "--metrics-port")
     sources = build_sources(endpoint=endpoint, replay=replay, topic=topic, replica=replica, model=model,
                             bind=bind, config=config)
     collector = LiveCollector(CollectorOptions(lake=lake, sources=sources, keep_tokens=keep_tokens,
@@ -429,6 +482,7 @@ def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, repli
     finally:
         if server is not None:
             server.shutdown()
+            server.server_close()
     m = collector.metrics
     for r in sorted({p.replica for p in collector.pubs.values()}):
         click.echo(f"{r}: {m.value('kvlens_collector_received_batches_total', replica=r):,.0f} batches, "
@@ -529,7 +583,9 @@ def collect_scrape_cmd(url: str, replica: str, lake: str, interval: float, durat
     import signal
 
     from collector.scrape import DEFAULT_FAMILY_PREFIXES, Scraper
+    from kvlens.config import check_http_url
 
+    check_http_url(url, "--url")
     scraper = Scraper(url=url, replica=replica, lake=lake, interval_s=interval, timeout_s=timeout,
                       scenario=scenario, flush_s=flush_seconds, prefixes=families or DEFAULT_FAMILY_PREFIXES)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -703,7 +759,11 @@ def export_cmd(db: str, port: int, host: str, duration: float | None) -> None:
     import threading
 
     from dashboards.export import serve
+    from kvlens.analysis_db import check_duckdb_file
+    from kvlens.supervise import check_port_free
 
+    check_duckdb_file(db)
+    check_port_free(host, port, "--port")
     server, _, bound = serve(db, port=port, host=host)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
@@ -730,16 +790,15 @@ def dashboard_cmd(db: str, port: int, host: str) -> None:
     Example: kvlens dashboard --db kvlens-demo/kvlens.duckdb --port 8501
     """
     import importlib.util
-    import subprocess
 
+    from kvlens.analysis_db import check_duckdb_file
     from kvlens.errors import ConfigError
+    from kvlens.supervise import check_port_free, run_child
 
     if importlib.util.find_spec("streamlit") is None:
         raise ConfigError("the dashboard needs streamlit: pip install 'kvlens[dashboard]'")
-    path = Path(db)
-    if not path.is_file():
-        raise ConfigError(f"analysis DB {path} does not exist: "
-                          f"run kvlens analyze --lake LAKE --db {path} first")
+    path = check_duckdb_file(db)
+    check_port_free(host, port, "--port")
     import dashboards
 
     app = Path(dashboards.__file__).resolve().parent / "app.py"
@@ -747,12 +806,12 @@ def dashboard_cmd(db: str, port: int, host: str) -> None:
            "--browser.gatherUsageStats=false", "--server.fileWatcherType=none", "--server.runOnSave=false",
            f"--server.port={port}", f"--server.address={host}", "--", "--db", str(path.resolve())]
     click.echo(f"kvlens dashboard on http://{host}:{port}/ (Ctrl-C stops it)", err=True)
-    try:
-        rc = subprocess.call(cmd)
-    except KeyboardInterrupt:
-        rc = 0
+    # Streamlit runs as a child that dies with this process: a SIGTERM, SIGINT or SIGHUP here is
+    # passed on and waited for, and a SIGKILL here ends it too (kvlens/supervise.py).
+    rc = run_child(cmd)
     if rc:
-        raise click.exceptions.Exit(rc)
+        raise click.ClickException(f"the dashboard's Streamlit server exited with status {rc}: "
+                                   "see its messages above")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,9 @@ directory to trash and each staged one into place, and commits by deleting the j
   previous rows of every table, never new blocks beside old requests.
 - The window between two renames of a live commit is milliseconds; ``open_lake`` waits for
   live journals to go before it binds its views.
-- Staging and trash left by dead processes are removed by ``recover`` as well.
+- Staging and trash left by dead processes are removed by ``recover`` as well, and so are the
+  hidden temporary files (``tmp_name``: a segment, the lake marker, a journal being written)
+  that a killed writer left in the lake.
 
 Liveness is judged by process id on the same host; a journal or staging directory written
 on another host (a lake on a shared filesystem) is left alone and logged.
@@ -22,15 +24,26 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["STAGING", "TRASH", "fsync_dir", "recover", "staging_token", "swap_in", "wait_for_commits"]
+__all__ = [
+    "STAGING",
+    "TRASH",
+    "fsync_dir",
+    "recover",
+    "remove_dead_tmp",
+    "staging_token",
+    "swap_in",
+    "tmp_name",
+    "wait_for_commits",
+]
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +51,42 @@ STAGING = ".staging"
 TRASH = ".trash"
 _JOURNAL = ".journal"
 _HOST = socket.gethostname()
+# ``.<name>.<token>.tmp`` and what DuckDB adds to a database file's name (``.wal``, ``.tmp/``).
+_TMP_RE = re.compile(r"^\..+\.(?P<token>\d+-.+-\d+-[0-9a-f]{8})\.tmp(?:\..+)?$")
+# Where writers put temporary files inside a lake (segments, the marker, journals).
+_LAKE_TMP_GLOBS = (".*.tmp", f"{_JOURNAL}/.*.tmp", "*/scenario=*/date=*/.*.tmp")
 
 
 def staging_token() -> str:
     """A name for one writer's staging or trash directory: ``<ns>-<host>-<pid>-<random>``."""
     return f"{time.time_ns()}-{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def tmp_name(name: str) -> str:
+    """A hidden temporary name beside ``name`` that says which process writes it."""
+    return f".{name}.{staging_token()}.tmp"
+
+
+def _dead_owner(token: str) -> int | None:
+    owner = _owner(token)
+    return owner[1] if owner is not None and not _alive(*owner) else None
+
+
+def remove_dead_tmp(paths: Iterable[Path]) -> int:
+    """Remove the ``tmp_name`` files and directories among ``paths`` whose writer is dead."""
+    removed = 0
+    for path in paths:
+        m = _TMP_RE.match(path.name)
+        pid = _dead_owner(m.group("token")) if m else None
+        if pid is None:
+            continue
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+        removed += 1
+        log.info("removed %s, left by dead process %d", path, pid)
+    return removed
 
 
 def _owner(token: str) -> tuple[str, int] | None:
@@ -76,7 +120,7 @@ def fsync_dir(path: Path) -> None:
 
 def _write_journal(path: Path, record: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(tmp_name(path.name))
     with open(tmp, "w") as f:
         json.dump(record, f)
         f.flush()
@@ -148,10 +192,12 @@ def recover(lake: Path) -> int:
         log.warning("lake %s: undid an unfinished commit of dead process %d (%s)", lake, owner[1], path.name)
     for folder in (lake / STAGING, lake / TRASH):
         for leftover in sorted(folder.glob("*")) if folder.is_dir() else []:
-            owner = _owner(leftover.name)
-            if owner is not None and not _alive(*owner):
+            pid = _dead_owner(leftover.name)
+            if pid is not None:
                 shutil.rmtree(leftover, ignore_errors=True)
-                log.info("lake %s: removed %s left by dead process %d", lake, leftover, owner[1])
+                log.info("lake %s: removed %s left by dead process %d", lake, leftover, pid)
+    for pattern in _LAKE_TMP_GLOBS:
+        remove_dead_tmp(lake.glob(pattern))
     return undone
 
 

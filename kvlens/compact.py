@@ -11,6 +11,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from kvlens.commit import STAGING, staging_token, swap_in
+from kvlens.damage import read_segment, segment_schema
+from kvlens.errors import ConfigError
 from kvlens.lake import lake_info
 from kvlens.schema import LAKE_TABLES, arrow_schema
 
@@ -23,6 +25,8 @@ def compact(lake: str | Path, *, today: str | None = None) -> dict[str, int]:
     The partition directory is rebuilt under staging and swapped in whole. Returns counts.
     """
     root = Path(lake)
+    if not root.exists():
+        raise ConfigError(f"lake {root} does not exist: pass the directory you import or collect into")
     lake_info(root)
     today = today or time.strftime("%Y-%m-%d", time.gmtime())
     merged = removed = 0
@@ -31,11 +35,11 @@ def compact(lake: str | Path, *, today: str | None = None) -> dict[str, int]:
             files = sorted(day_dir.glob("*.parquet"))
             if day_dir.name[len("date="):] >= today or len(files) < 2:
                 continue
-            parts = [pq.read_table(f, schema=arrow_schema(table)) for f in files]
+            parts = [read_segment(f, arrow_schema(table)) for f in files]
             stage = root / STAGING / staging_token() / day_dir.name
             stage.mkdir(parents=True)
             data = pa.concat_tables(parts)
-            last_meta = pq.read_schema(files[-1]).metadata or {}
+            last_meta = segment_schema(files[-1]).metadata or {}
             out = stage / files[-1].name  # keeps the newest name, so checkpoints still resolve
             with open(out, "wb") as f:
                 pq.write_table(data.replace_schema_metadata(last_meta), f, compression="zstd")

@@ -28,10 +28,48 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvlens.errors import ConfigError
 
-__all__ = ["Config", "ReplicaConfig", "SmtpConfig", "load_config"]
+__all__ = ["Config", "ReplicaConfig", "SmtpConfig", "check_http_url", "check_zmq_endpoint", "load_config"]
+
+
+def check_http_url(url: str, where: str) -> str:
+    """``url`` if it is an http(s) URL with a host, else a ConfigError naming ``where``."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"{where} {url!r} is not an http:// or https:// URL with a host: "
+                          "e.g. http://10.0.0.5:8000/metrics")
+    try:
+        parts.port  # noqa: B018  (raises on a port that is not a number in range)
+    except ValueError:
+        raise ConfigError(f"{where} {url!r} has a bad port: e.g. http://10.0.0.5:8000/metrics") from None
+    return url
+
+_ZMQ_SCHEMES = ("tcp", "ipc", "inproc")
+
+
+def check_zmq_endpoint(address: str, where: str, *, bind: bool = False) -> str:
+    """``address`` if ZMQ can use it (``tcp://HOST:PORT``, ``ipc://PATH``, ``inproc://NAME``; a bound
+    tcp endpoint may use ``*`` for the interface), else a ConfigError naming ``where``.
+
+    The forms are ZMQ's transports (zmq_tcp(7), zmq_ipc(7), zmq_inproc(7)).
+    """
+    scheme, sep, rest = address.partition("://")
+    if not sep or scheme not in _ZMQ_SCHEMES or not rest:
+        raise ConfigError(f"{where} {address!r} is not a ZMQ endpoint: use tcp://HOST:PORT "
+                          "(e.g. tcp://127.0.0.1:5557), ipc://PATH or inproc://NAME")
+    if scheme == "tcp":
+        host, colon, port = rest.rpartition(":")
+        wild = bind and port in ("*", "!")
+        if not colon or not host or not (wild or (port.isdigit() and 0 < int(port) < 65536)):
+            raise ConfigError(f"{where} {address!r} needs a host and a port from 1 to 65535: "
+                              "e.g. tcp://10.0.0.5:5557" + (" or tcp://*:5557" if bind else ""))
+        if host == "*" and not bind:
+            raise ConfigError(f"{where} {address!r}: '*' (every interface) is only for a bound endpoint: "
+                              "connect to the publisher's host, or pass --bind")
+    return address
 
 
 @dataclass(frozen=True)
@@ -81,6 +119,9 @@ def _replica(entry: Any, where: str) -> ReplicaConfig:
             raise ConfigError(f"{where}: {key} must be a string")
     if not isinstance(entry.get("bind", False), bool):
         raise ConfigError(f"{where}: bind must be true or false")
+    check_zmq_endpoint(endpoint, f"{where}: endpoint", bind=entry.get("bind", False))
+    if entry.get("replay_endpoint"):
+        check_zmq_endpoint(entry["replay_endpoint"], f"{where}: replay_endpoint")
     return ReplicaConfig(endpoint=endpoint, bind=entry.get("bind", False), topic=entry.get("topic", ""),
                          **{k: entry.get(k) for k in ("name", "replay_endpoint", "model", "metrics_url")})
 

@@ -5,6 +5,7 @@
     ├── ConfigError             a setting, flag or model name that cannot be used
     ├── SchemaVersionError      a lake or database written by another schema version
     ├── NoDataError             a query or analysis found nothing to work on
+    │   └── EmptyReplaceError   a replace (an import) read no rows; the scenario was kept
     └── ReadOnlyError           a write was attempted through a read-only interface
 
 A message says what is wrong, where, and what to do. Bugs are not KvlensErrors and keep
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 __all__ = [
     "ConfigError",
+    "EmptyReplaceError",
     "InputError",
     "KvlensError",
     "NoDataError",
@@ -53,6 +55,10 @@ class SchemaVersionError(KvlensError):
 
 class NoDataError(KvlensError):
     """Nothing to work on: an empty lake, scenario or table."""
+
+
+class EmptyReplaceError(NoDataError):
+    """A replace that read no rows: refused, so the scenario keeps its previous rows."""
 
 
 class ReadOnlyError(KvlensError):

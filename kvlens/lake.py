@@ -10,6 +10,8 @@ Layout: ``LAKE/<table>/scenario=NAME/date=YYYY-MM-DD/<writer>-<n>.parquet``.
   a process killed at any point leaves every table's previous rows.
 - Each segment carries its writer's checkpoint (a JSON dict) in the Parquet key-value
   metadata; ``latest_checkpoint`` returns the newest one, so a restarted collector resumes.
+- A replace that wrote no rows at all (an empty input file) is refused with EmptyReplaceError and
+  the scenario keeps its rows, unless the caller runs it inside ``empty_replace_allowed()``.
 - Memory is bounded by ``flush_rows``: reaching it flushes synchronously, which is the
   back-pressure a fast producer feels when the disk is slow.
 - A flush the disk refuses (an OSError) raises with the unwritten rows still buffered, so
@@ -24,8 +26,9 @@ import os
 import re
 import shutil
 import time
-import uuid
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -34,14 +37,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvlens.commit import STAGING, fsync_dir, recover, staging_token, swap_in, wait_for_commits
-from kvlens.errors import ConfigError, SchemaVersionError
+from kvlens.commit import STAGING, fsync_dir, recover, staging_token, swap_in, tmp_name, wait_for_commits
+from kvlens.damage import damaged_segment_error, segment_schema
+from kvlens.errors import ConfigError, EmptyReplaceError
+from kvlens.marker import lake_info
 from kvlens.schema import ENUMS, LAKE_TABLES, SCHEMA_VERSION, TABLES, Table, arrow_schema
 
 __all__ = [
     "SegmentWriter",
     "commit_together",
     "create_enum_types",
+    "empty_replace_allowed",
     "lake_info",
     "latest_checkpoint",
     "open_lake",
@@ -52,12 +58,22 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _NS_PER_DAY = 86_400 * 1_000_000_000
-_MARKER = "_kvlens.json"
 _CHECKPOINT_KEY = b"kvlens.checkpoint"
 _VERSION_KEY = b"kvlens.schema_version"
 _WRITER_KEY = b"kvlens.writer"
 _SEGMENT_RE = re.compile(r"^(?P<writer>.+)-(?P<n>\d{20})\.parquet$")
 _SCENARIO_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+_ALLOW_EMPTY: ContextVar[bool] = ContextVar("kvlens_allow_empty_replace", default=False)
+
+
+@contextmanager
+def empty_replace_allowed() -> Iterator[None]:
+    """Within it, a replace that read no rows empties its scenario instead of being refused."""
+    token = _ALLOW_EMPTY.set(True)
+    try:
+        yield
+    finally:
+        _ALLOW_EMPTY.reset(token)
 
 
 def _check_scenario(scenario: str) -> str:
@@ -67,35 +83,6 @@ def _check_scenario(scenario: str) -> str:
             "use letters, digits, '_', '-' and '.', starting with a letter or digit"
         )
     return scenario
-
-
-def lake_info(lake: str | Path, *, create: bool = False) -> dict[str, Any]:
-    """The lake's marker (schema version); creates the lake when asked; checks the version."""
-    root = Path(lake)
-    marker = root / _MARKER
-    if marker.exists():
-        info: dict[str, Any] = json.loads(marker.read_text())
-        if info.get("schema_version") != SCHEMA_VERSION:
-            raise SchemaVersionError(
-                f"lake {root} has schema v{info.get('schema_version')}, kvlens expects "
-                f"v{SCHEMA_VERSION}: re-import its sources into a new lake"
-            )
-        return info
-    info = {"schema_version": SCHEMA_VERSION}
-    if create:
-        root.mkdir(parents=True, exist_ok=True)
-        _atomic_write_bytes(marker, json.dumps(info).encode())
-    return info
-
-
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 class SegmentWriter:
@@ -263,7 +250,7 @@ class SegmentWriter:
         directory = self._target / f"date={date}"
         directory.mkdir(parents=True, exist_ok=True)
         name = self._next_name()
-        tmp = directory / f".{name}.tmp"
+        tmp = directory / tmp_name(name)
         try:
             with open(tmp, "wb") as f:
                 pq.write_table(part, f, compression="snappy")
@@ -320,7 +307,14 @@ def _day_str(day: int) -> str:
 def commit_together(*writers: SegmentWriter, checkpoint: Mapping[str, Any] | None = None) -> None:
     """Swap the staged scenarios of ``replace`` writers (one lake) in, all tables or none."""
     lake = writers[0].lake
-    swap_in(lake, [w.stage(checkpoint) for w in writers])
+    staged = [w.stage(checkpoint) for w in writers]
+    if not any(w.rows_written for w in writers) and not _ALLOW_EMPTY.get():
+        for w in writers:
+            shutil.rmtree(w._stage_root, ignore_errors=True)
+        raise EmptyReplaceError(
+            f"no rows were read for scenario {writers[0].scenario!r}, so lake {lake} keeps its previous "
+            "rows: check the input, or allow an empty replacement (kvlens import --allow-empty)")
+    swap_in(lake, staged)
     for w in writers:
         shutil.rmtree(w._stage_root, ignore_errors=True)
 
@@ -359,7 +353,7 @@ def latest_checkpoint(lake: str | Path, writer: str) -> dict[str, Any] | None:
                 newest = (n, path)
     if newest is None:
         return None
-    meta = pq.read_schema(newest[1]).metadata or {}
+    meta = segment_schema(newest[1]).metadata or {}
     raw = meta.get(_CHECKPOINT_KEY)
     return json.loads(raw) if raw else {}
 
@@ -391,7 +385,10 @@ def _view_sql(con: duckdb.DuckDBPyConnection, lake: Path, table: Table) -> str:
     source = (f"read_parquet({_literal(glob)}, hive_partitioning = true, "
               "union_by_name = true, hive_types_autocast = false)")
     # A column added to the schema after a lake's segments were written is NULL there.
-    present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    try:
+        present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
+    except duckdb.Error as e:
+        raise damaged_segment_error(files, e) from None
     cols = ", ".join(
         "CAST(scenario AS VARCHAR) AS scenario" if c.name == "scenario"
         else f"CAST({c.name} AS {c.type}) AS {c.name}" if c.name in present

@@ -1,7 +1,8 @@
-"""The spine's read-only SQL: lake views and the analysis DB behind one DuckDB connection.
+"""The spine's read-only SQL: lake views and the analysis DB behind one locked DuckDB connection.
 
-Only statements that read (SELECT, EXPLAIN, DESCRIBE, SHOW, SUMMARIZE) are run: a query that
-writes is refused before DuckDB sees it. Rendering is pure: rows in, text out.
+Only statements that read (SELECT, DESCRIBE, SHOW, SUMMARIZE, and EXPLAIN of those) are run, as
+DuckDB itself parses them (kvlens/readonly.py); the connection can read nothing but the lake's
+tables and the analysis DB, and its configuration is locked. Rendering is pure: rows in, text out.
 """
 
 from __future__ import annotations
@@ -16,51 +17,55 @@ from typing import Any
 
 import duckdb
 
+from kvlens.analysis_db import attach_analysis_db
 from kvlens.errors import ConfigError, KvlensError, ReadOnlyError
 from kvlens.lake import open_lake
+from kvlens.readonly import lake_view_dirs, lock_down, refusal, sandbox_config
+from kvlens.schema import LAKE_TABLES
 
 __all__ = ["connect", "query", "render", "run_readonly"]
 
-_READ_STATEMENTS = {"SELECT", "EXPLAIN"}
-
 
 def connect(lake: str | Path | None = None, db: str | Path | None = None) -> duckdb.DuckDBPyConnection:
-    """An in-memory connection with the analysis DB attached read-only and lake views on top."""
+    """An in-memory connection with the analysis DB attached read-only and lake views on top,
+    locked so that it reads those files and nothing else (kvlens/readonly.py)."""
     if lake is None and db is None:
         raise ConfigError("nothing to query: pass --lake DIR, --db FILE, or both")
-    con = duckdb.connect(":memory:")
-    if db is not None:
-        path = Path(db)
-        if not path.is_file():
-            raise ConfigError(f"analysis DB {path} does not exist: run kvlens analyze --db {path} first")
-        con.execute(f"ATTACH '{str(path.resolve()).replace(chr(39), chr(39) * 2)}' AS analysis (READ_ONLY)")
-        con.execute("SET search_path = 'memory.main,analysis.main'")
-    if lake is not None:
-        open_lake(con, lake)
+    con = duckdb.connect(":memory:", config=sandbox_config())
+    try:
+        readable = []
+        if db is not None:
+            attach_analysis_db(con, db, "analysis")
+            con.execute("SET search_path = 'memory.main,analysis.main'")
+            readable += lake_view_dirs(con, "analysis")
+        if lake is not None:
+            open_lake(con, lake)
+            readable += [Path(lake) / t.name for t in LAKE_TABLES]
+        lock_down(con, readable)
+    except BaseException:
+        con.close()
+        raise
     return con
 
 
 def run_readonly(con: duckdb.DuckDBPyConnection, query: str,
                  params: Sequence[Any] | None = None) -> tuple[list[str], list[tuple[Any, ...]]]:
     """Run one reading statement; returns (column names, rows)."""
-    try:
-        statements = con.extract_statements(query)
-    except duckdb.Error as e:
-        raise KvlensError(f"query does not parse: {str(e).splitlines()[0]}") from None
-    if len(statements) != 1:
-        raise ConfigError(f"expected exactly one statement, got {len(statements)}")
-    kind = statements[0].type.name
-    # EXPLAIN ANALYZE runs the statement it explains, so it is refused outright.
-    if kind == "EXPLAIN" and query.lstrip().lower().split()[:2] == ["explain", "analyze"]:
-        kind = "EXPLAIN ANALYZE"
-    if kind not in _READ_STATEMENTS:
-        raise ReadOnlyError(f"kvlens sql is read-only: a {kind} statement is refused; "
+    kind = refusal(con, query)
+    if kind is not None:
+        raise ReadOnlyError(f"kvlens sql is read-only and refuses this {kind} statement: "
                             "query with SELECT, or write through kvlens commands")
     try:
         cur = con.execute(query, params or [])
         rows = cur.fetchall()
+    except duckdb.PermissionException as e:
+        raise ReadOnlyError(f"kvlens sql reads only the lake's tables and the analysis DB: "
+                            f"{str(e).splitlines()[0]}") from None
     except duckdb.Error as e:
-        raise KvlensError(f"query failed: {str(e).splitlines()[0]}") from None
+        first = str(e).splitlines()[0]
+        hint = (": a lake segment is damaged; move the file it names out of the lake and rerun"
+                if ".parquet" in first and "Failed to read" in first else "")
+        raise KvlensError(f"query failed: {first}{hint}") from None
     return [d[0] for d in cur.description or []], rows
 
 

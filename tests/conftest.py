@@ -1,12 +1,14 @@
-"""Shared fixtures: small hand-written trace files."""
+"""Shared fixtures: small hand-written trace files; every test checked for what it leaks."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from leaks import Leaks
 
 # Three Mooncake lines: a prompt of exactly 2 blocks, one with a partial tail (and a hash id
 # above 2**63, which must survive as UBIGINT), and one sharing the first line's prefix.
@@ -15,6 +17,27 @@ MOONCAKE_LINES = [
     {"timestamp": 1500, "input_length": 1300, "output_length": 7, "hash_ids": [20, 2**63 + 5, 22]},
     {"timestamp": 2750, "input_length": 1100, "output_length": 9, "hash_ids": [10, 11, 30]},
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _process_singletons() -> None:
+    """Create, before the first test, what libraries open once per process and keep: vl-convert's
+    JavaScript runtime (two socket pairs, for the report's PNG charts). Not a test's leak."""
+    import vl_convert
+
+    vl_convert.vegalite_to_svg({"mark": "point", "data": {"values": []}})
+
+
+@pytest.fixture(autouse=True)
+def _no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail THIS test (at its teardown) when it leaves a socket, pipe, child process or thread behind,
+    instead of a later one where the garbage collector happens to close it (tests/leaks.py)."""
+    before = Leaks()
+    yield
+    leaked = before.check(deadline_s=float(os.environ.get("KVLENS_LEAK_WAIT_S", "10")))
+    if leaked:
+        before.reap()
+        pytest.fail(f"{request.node.nodeid} leaked: " + "; ".join(leaked), pytrace=False)
 
 
 @pytest.fixture

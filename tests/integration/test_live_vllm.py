@@ -18,6 +18,7 @@ import random
 import signal
 import subprocess
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,10 +75,30 @@ class _Run:
 
     def collector(self) -> subprocess.Popen[bytes]:
         self.starts += 1
+        self.collector_metrics = port()
         return kvlens("collect", "vllm", "--endpoint", f"tcp://127.0.0.1:{self.ev}", "--bind",
                        "--replay", f"tcp://127.0.0.1:{self.replay}", "--replica", "replica-a",
                        "--model", "tiny", "--lake", str(self.lake), "--scenario", "run",
-                       "--flush-seconds", "1", log=self.tmp / f"kv{self.starts}.log")
+                       "--flush-seconds", "1", "--metrics-port", str(self.collector_metrics),
+                       log=self.tmp / f"kv{self.starts}.log")
+
+    def wait_resumed(self, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+        """Until a restarted collector's reader is up and it has asked the replay socket for what it
+        missed (its checkpoint names the engine): what it misses after that, a later batch reveals."""
+        url, deadline = f"http://127.0.0.1:{self.collector_metrics}/metrics", time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                pytest.fail(f"the collector exited ({proc.returncode})")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    text = r.read().decode()
+            except OSError:
+                text = ""
+            if any(line.startswith("kvlens_collector_replay_requests_total{") and float(line.split()[-1]) >= 1
+                   for line in text.splitlines()):
+                return
+            time.sleep(0.2)
+        pytest.fail(f"the restarted collector did not resume within {timeout_s} s")
 
     def receiver(self) -> subprocess.Popen[bytes]:
         return kvlens("collect", "otlp", "--listen", f"127.0.0.1:{self.otlp}", "--lake", str(self.lake),
@@ -115,7 +136,7 @@ def live_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any
                 killed = collector.wait()
             if i == RESTART_COLLECTOR_AT:
                 collector = run.collector()
-                time.sleep(3)  # let it subscribe before the next batch; what it missed it replays
+                run.wait_resumed(collector)
             if i == RESTART_ENGINE_AT:
                 run.scrape()  # the counters before they restart from zero
                 stop(proc, 120)
