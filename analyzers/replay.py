@@ -151,8 +151,8 @@ def _remove(masks, extra, row, slot, key, left, ts, loc, removed_ts, remover, co
 
 
 @njit(cache=True)
-def _holder(masks, row, own_loc, pool_loc, n_words, n_locs):
-    """The lowest replica other than ``own_loc`` (and the pool) holding the block, or -1."""
+def _holder(masks, row, own_loc, pool_loc, n_words, n_locs, n_groups):
+    """The lowest replica other than ``own_loc`` (and the pool) holding the block in any group, or -1."""
     best = -1
     for w in range(n_words):
         m = masks[row, w]
@@ -162,7 +162,7 @@ def _holder(masks, row, own_loc, pool_loc, n_words, n_locs):
                 loc = ((w * _BITS + b) // _TIERS) % n_locs
                 if loc != own_loc and loc != pool_loc and (best < 0 or loc < best):
                     best = loc
-                    if w * _BITS + b < n_locs * _TIERS:  # group 0: slots ascend with the location
+                    if n_groups == 1:  # one group: slots ascend with the location, the first is lowest
                         return best
             m >>= 1
             b += 1
@@ -356,9 +356,9 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
                 every |= np.int64(1) << min(g, 62)
                 g0 = g
         if n_on == 1 and n_full == 1:
-            _dense(b0, n, g0, r, req_tail[i], every, rows, masks, pool_loc, n_locs, n_words, blk_h, blk_xfer,
-                   blk_c, blk_ns, c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc,
-                   other_ns, grp_mask, served)
+            _dense(b0, n, g0, r, req_tail[i], every, rows, masks, pool_loc, n_locs, n_words, n_groups, blk_h,
+                   blk_xfer, blk_c, blk_ns, c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts,
+                   rem_loc, other_ns, grp_mask, served)
             continue
         for kk in range(n):
             row = _row(rows, blk_h[b0 + kk])
@@ -396,7 +396,7 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
 
 
 @njit(cache=True, inline="always")
-def _dense(b0, n, g, r, tail, every, rows, masks, pool_loc, n_locs, n_words, blk_h, blk_xfer, blk_c,
+def _dense(b0, n, g, r, tail, every, rows, masks, pool_loc, n_locs, n_words, n_groups, blk_h, blk_xfer, blk_c,
            blk_ns, c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns,
            grp_mask, served):
     """One request on a location with one full-attention group (a dense model): the hybrid rule
@@ -438,7 +438,7 @@ def _dense(b0, n, g, r, tail, every, rows, masks, pool_loc, n_locs, n_words, blk
             chain = False
         else:  # _cause's decisions, written out: a call per block would pay reference counting
             chain = False
-            where = _holder(masks, row, r, pool_loc, n_words, n_locs) if row >= 0 else -1
+            where = _holder(masks, row, r, pool_loc, n_words, n_locs, n_groups) if row >= 0 else -1
             if where >= 0:
                 out[j], holder[j] = _ROUTING, where
             elif row >= 0:
@@ -451,10 +451,10 @@ def _dense(b0, n, g, r, tail, every, rows, masks, pool_loc, n_locs, n_words, blk
 
 
 @njit(cache=True, inline="always")
-def _cause(j, row, masks, r, pool_loc, n_words, n_locs, blk_c, blk_ns, c_first_ns, c_other_ns, removed_ts,
-           remover, out, holder, rem_ts, rem_loc, other_ns):
+def _cause(j, row, masks, r, pool_loc, n_words, n_locs, n_groups, blk_c, blk_ns, c_first_ns, c_other_ns,
+           removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns):
     """A block available nowhere to the request: held elsewhere, evicted, stored under another key, cold."""
-    where = _holder(masks, row, r, pool_loc, n_words, n_locs) if row >= 0 else -1
+    where = _holder(masks, row, r, pool_loc, n_words, n_locs, n_groups) if row >= 0 else -1
     if where >= 0:
         out[j], holder[j] = _ROUTING, where
     elif row >= 0:  # stored somewhere before, resident nowhere now
@@ -484,5 +484,5 @@ def _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfe
         if grp_on[g] and src[kk, g] < _SRC_FAILED:
             out[j] = _AFTER_GAP
             return
-    _cause(j, brow[kk], masks, r, pool_loc, n_words, n_locs, blk_c, blk_ns, c_first_ns, c_other_ns,
-           removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)
+    _cause(j, brow[kk], masks, r, pool_loc, n_words, n_locs, grp_on.shape[0], blk_c, blk_ns, c_first_ns,
+           c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)

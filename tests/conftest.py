@@ -8,7 +8,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 from leaks import Leaks
+
+# Property tests draw the same examples on every run (`make test`, CI): a red run is
+# reproducible and a green one means the same thing twice. HYPOTHESIS_PROFILE=explore draws
+# new examples each run (as a developer's search for new failures; pin any it finds as a test).
+settings.register_profile("deterministic", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", derandomize=False, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "deterministic"))
 
 # Three Mooncake lines: a prompt of exactly 2 blocks, one with a partial tail (and a hash id
 # above 2**63, which must survive as UBIGINT), and one sharing the first line's prefix.

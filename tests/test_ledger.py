@@ -381,6 +381,24 @@ def test_replay_core_equals_oracle_on_hand_case() -> None:
     assert core[:5] == [[list(Outcome).index(Outcome.MISS_INCOMPATIBLE)], [-1], [-1], [-1], [1]]
 
 
+def test_the_holder_is_the_lowest_replica_in_any_group() -> None:
+    # Found by the property test above: hash 2 is held by location 0 in group 1 and by location 2
+    # in group 0; the request on location 1 needs it. The holder is location 0, the lowest, not
+    # the first one met in group 0's slots.
+    n = 4
+    ev = (np.zeros(n, np.int64), np.zeros(n, np.int8), np.array([0, 0, 1, 2], np.int32), np.zeros(n, np.int8),
+          np.array([0, 1, 0, 0], np.int32), np.array([1, 2, 1, 2], np.int64), np.zeros(n, np.int64),
+          np.zeros(n, np.int32), np.full(n, -1, np.int64))
+    req = (np.array([5], np.int64), np.array([1], np.int32), np.array([False]), np.array([BLOCK], np.int64),
+           np.array([0, 1], np.int64), np.array([2], np.int64), np.array([0], np.int64),
+           np.array([0], np.int32), np.array([0], np.int8))
+    for n_locs in (3, 32):  # one residency word, and several
+        args = (*ev, *req, n_locs, -1, np.zeros((n_locs, 2), np.int64))
+        core = [np.asarray(x).tolist() for x in replay_core(*args)]
+        assert core == [list(x) for x in replay_py(*args)]
+        assert core[:2] == [[list(Outcome).index(Outcome.MISS_ROUTING)], [0]]
+
+
 # -- block_outcomes over random small lakes (property tests) -----------------------------------
 
 
