@@ -197,7 +197,7 @@ ParserFactory = Callable[..., Parser]  # (*, model, t0_ns) -> Parser
 
 
 def _formats() -> dict[str, ParserFactory]:
-    from collector import bailian, gateway, lmcache, mooncake
+    from kvlens.collector import bailian, gateway, lmcache, mooncake
 
     return {"mooncake": mooncake.parser, "bailian": bailian.parser, "gateway": gateway.parser,
             "lmcache-lookup": lmcache.parser}

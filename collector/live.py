@@ -62,8 +62,8 @@ import pyarrow as pa
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from collector.quarantine import spill_rows
-from collector.vllm_events import (
+from kvlens.collector.quarantine import spill_rows
+from kvlens.collector.vllm_events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     END_SEQ,
     DecodeError,

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.importer import (
+from kvlens.collector.importer import (
     FieldError,
     Parsed,
     Parser,

@@ -310,7 +310,7 @@ class OtlpImportResult:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    from collector.importer import _checked_lines  # the importer's gzip-aware, error-naming reader
+    from kvlens.collector.importer import _checked_lines  # the importer's gzip-aware, error-naming reader
 
     for lineno, line, _pos in _checked_lines(path):
         if line:

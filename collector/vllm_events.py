@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from collector.hashing import content_hashes
+from kvlens.collector.hashing import content_hashes
 from kvlens.errors import InputError
 from kvlens.limits import INT32_MAX, INT64_MAX
 from kvlens.schema import KV_EVENTS, EventKind, Medium, arrow_schema

@@ -73,7 +73,7 @@ def cli(verbose: int) -> None:
 
 
 def _parse_t0(value: str | None) -> int:
-    from collector.importer import DEFAULT_T0_NS, rfc3339_ns
+    from kvlens.collector.importer import DEFAULT_T0_NS, rfc3339_ns
 
     if value is None:
         return DEFAULT_T0_NS
@@ -156,7 +156,7 @@ def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model
 def _import(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
             skip_bad_lines: bool, t0: str | None) -> None:
     if fmt == "vllm-events":  # frames recorded by `kvlens collect vllm --record` -> kv_events
-        from collector.vllm_events import import_capture
+        from kvlens.collector.vllm_events import import_capture
 
         counts = import_capture(files, lake, scenario=scenario, model=model)
         click.echo(f"imported {counts['batches']:,} batches and {counts['rows']:,} kv_events rows into "
@@ -167,7 +167,7 @@ def _import(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: s
     if fmt in ("otlp-json", "otlp"):  # OTLP trace files -> requests only (no blocks)
         _import_otlp(fmt, files, lake, scenario, model, skip_bad_lines)
         return
-    from collector.importer import import_files
+    from kvlens.collector.importer import import_files
 
     with _progress_bar(files, f"import {fmt}") as bar:
         result = import_files(fmt, files, lake, scenario=scenario, model=model,
@@ -247,8 +247,8 @@ def demo_cmd(workdir: str) -> None:
 
     Example: kvlens demo --workdir /tmp/kvlens-demo
     """
-    from dashboards.report import write_report
-    from sample_data.demo import SAMPLE_TRACE, run_demo
+    from kvlens.dashboards.report import write_report
+    from kvlens.sample_data.demo import SAMPLE_TRACE, run_demo
 
     with _progress_bar((str(SAMPLE_TRACE),), "import sample trace") as bar:
         summary = run_demo(Path(workdir), on_progress=bar.update)
@@ -307,8 +307,8 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
 
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
     """
-    from analyzers import analyze_scenario
     from kvlens.analysis_db import build_analysis_db
+    from kvlens.analyzers import analyze_scenario
     from kvlens.errors import NoDataError
 
     _given_model(model, model_config)  # a bad --model / --model-config fails before any work
@@ -371,11 +371,11 @@ def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, engine: s
 
     Example: kvlens simulate --lake lake --from conv --scenario rr8 --replicas 8 --routing round_robin
     """
-    from analyzers import step_time
-    from analyzers.costs import cost_model
-    from analyzers.join import join_sources
-    from analyzers.sim_config import DEFAULT_MAX_BATCHED_TOKENS, Engine
-    from analyzers.simulate import SimConfig, simulate
+    from kvlens.analyzers import step_time
+    from kvlens.analyzers.costs import cost_model
+    from kvlens.analyzers.join import join_sources
+    from kvlens.analyzers.sim_config import DEFAULT_MAX_BATCHED_TOKENS, Engine
+    from kvlens.analyzers.simulate import SimConfig, simulate
     from kvlens.errors import NoDataError
     from kvlens.lake import write_scenario
     from kvlens.query import connect
@@ -456,7 +456,7 @@ def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, repli
 
     from prometheus_client import start_http_server
 
-    from collector.live import CollectorOptions, LiveCollector, build_sources
+    from kvlens.collector.live import CollectorOptions, LiveCollector, build_sources
     from kvlens.config import check_zmq_endpoint
     from kvlens.supervise import check_port_free
 
@@ -511,7 +511,7 @@ def hash_cmd(block_size: int, algo: str, seed: str | None, salt: str | None, lor
     """
     import re
 
-    from collector.hashing import vllm_block_hashes
+    from kvlens.collector.hashing import vllm_block_hashes
     from kvlens.errors import InputError
 
     text = sys.stdin.read()
@@ -538,8 +538,14 @@ def probe_cmd(model: str | None, model_config: str | None, prefix_tokens: str | 
 
     Example: kvlens probe --model llama-3.1-8b --prefix-tokens 4096,16384 --lake lake
     """
-    from gpu_probe.probe import parse_prefix_tokens, plan_probe, render_table, run_probe, write_probe_rows
-    from gpu_probe.timing import cuda_available, import_torch
+    from kvlens.gpu_probe.probe import (
+        parse_prefix_tokens,
+        plan_probe,
+        render_table,
+        run_probe,
+        write_probe_rows,
+    )
+    from kvlens.gpu_probe.timing import cuda_available, import_torch
     from kvlens.models import resolve_model
 
     geometry = _given_model(model, model_config) or resolve_model(None)
@@ -582,7 +588,7 @@ def collect_scrape_cmd(url: str, replica: str, lake: str, interval: float, durat
     """
     import signal
 
-    from collector.scrape import DEFAULT_FAMILY_PREFIXES, Scraper
+    from kvlens.collector.scrape import DEFAULT_FAMILY_PREFIXES, Scraper
     from kvlens.config import check_http_url
 
     check_http_url(url, "--url")
@@ -599,7 +605,7 @@ def collect_scrape_cmd(url: str, replica: str, lake: str, interval: float, durat
 
 def _import_otlp(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
                  skip_bad_lines: bool) -> None:
-    from collector.otlp import import_otlp
+    from kvlens.collector.otlp import import_otlp
 
     result = import_otlp(fmt, files, lake, scenario=scenario, model=model, skip_bad_lines=skip_bad_lines)
     click.echo(f"imported {result.requests:,} requests from llm_request spans into scenario {scenario!r} "
@@ -631,7 +637,7 @@ def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_by
     import signal
     import threading
 
-    from collector.otlp_server import OtlpReceiver, ReceiverOptions, parse_listen
+    from kvlens.collector.otlp_server import OtlpReceiver, ReceiverOptions, parse_listen
 
     model = _model_name(model, model_config)
     host, port = parse_listen(listen)
@@ -669,7 +675,7 @@ def _parse_now(value: str | None) -> int | None:
 def _smtp_settings(smtp: str, starttls: bool, user: str | None, password_env: str | None) -> Any:
     import os
 
-    from dashboards.mail import SmtpSettings, parse_smtp
+    from kvlens.dashboards.mail import SmtpSettings, parse_smtp
     from kvlens.errors import ConfigError
 
     if (user is None) != (password_env is None):
@@ -714,8 +720,8 @@ def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[
 
     Example: kvlens report --db kvlens.duckdb --out report.html --email-to ops@example.com --smtp mail:25
     """
-    from dashboards.report import build_report, parse_duration_ns, save_html
     from kvlens.config import load_config
+    from kvlens.dashboards.report import build_report, parse_duration_ns, save_html
     from kvlens.errors import ConfigError
 
     file = load_config(config).smtp if config else None
@@ -736,7 +742,7 @@ def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[
     path = save_html(report, out)
     click.echo(f"report written: {path} ({path.stat().st_size / 1024:,.0f} KiB, {len(report.charts)} charts)")
     if settings is not None and email_to is not None:
-        from dashboards.mail import build_message, send_message
+        from kvlens.dashboards.mail import build_message, send_message
 
         recipients = [a.strip() for a in email_to.split(",") if a.strip()]
         send_message(build_message(report, sender=sender, recipients=recipients, subject=subject), settings)
@@ -758,8 +764,8 @@ def export_cmd(db: str, port: int, host: str, duration: float | None) -> None:
     import signal
     import threading
 
-    from dashboards.export import serve
     from kvlens.analysis_db import check_duckdb_file
+    from kvlens.dashboards.export import serve
     from kvlens.supervise import check_port_free
 
     check_duckdb_file(db)
@@ -799,7 +805,7 @@ def dashboard_cmd(db: str, port: int, host: str) -> None:
         raise ConfigError("the dashboard needs streamlit: pip install 'kvlens[dashboard]'")
     path = check_duckdb_file(db)
     check_port_free(host, port, "--port")
-    import dashboards
+    import kvlens.dashboards as dashboards
 
     app = Path(dashboards.__file__).resolve().parent / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.headless=true",

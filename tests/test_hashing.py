@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collector.hashing import DEFAULT_SEED, content_hashes, event_hash, none_hash, vllm_block_hashes
-from collector.vllm_events import read_capture, split_frames
 from kvlens.cli import cli
+from kvlens.collector.hashing import DEFAULT_SEED, content_hashes, event_hash, none_hash, vllm_block_hashes
+from kvlens.collector.vllm_events import read_capture, split_frames
 
 DATA = Path(__file__).parent / "data"
 ROOT_SEED0_CBOR = "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
