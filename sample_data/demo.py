@@ -13,7 +13,7 @@ from kvlens.analysis_db import build_analysis_db
 from kvlens.analyzers import analyze_scenario
 from kvlens.analyzers.costs import DeviceModel
 from kvlens.analyzers.simulate import SimConfig, SimResult, simulate
-from kvlens.collector.importer import import_files
+from kvlens.collector import import_files
 from kvlens.lake import open_lake, write_scenario
 from kvlens.models import get_model
 from kvlens.sample_data import MOONCAKE_CONVERSATION
