@@ -29,6 +29,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvlens.collector.hashing import U64_MASK, fold_u64
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import SegmentWriter, commit_together
 from kvlens.limits import INT32_MAX, INT64_MAX, fits, ints_fit, row_problem
@@ -73,7 +74,6 @@ class Parsed:
     token_hashes: Sequence[int | None] | None = None  # per block, not chained (token ids known)
 
 
-_U64 = (1 << 64) - 1
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -136,9 +136,9 @@ def need_hashes(rec: dict[str, Any], key: str) -> list[int]:
     out = []
     for i, h in enumerate(value):
         if isinstance(h, int) and not isinstance(h, bool):
-            if not -(2**63) <= h <= _U64:
+            if not -(2**63) <= h <= U64_MASK:
                 raise FieldError(key, f"element {i} does not fit 64 bits: {h}")
-            out.append(h & _U64)
+            out.append(fold_u64(h))
         elif isinstance(h, str):
             if not _HEX.fullmatch(h):  # int(.., 16) would also take "-1", "+1", "1_0" and spaces
                 raise FieldError(key, f"element {i} is not a hex digest: {h!r:.40}")

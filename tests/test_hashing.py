@@ -139,3 +139,10 @@ def test_hash_command_prints_one_line_per_full_block() -> None:
     assert [(int(p), d, int(v)) for p, d, v in lines] == [(b.position, b.digest.hex(), b.value) for b in want]
     bad = CliRunner().invoke(cli, ["hash", "--block-size", "2"], input="1 two 3")
     assert bad.exit_code == 1 and "Error:" in bad.output
+
+
+def test_one_folding_rule_for_signed_and_unsigned_hashes() -> None:
+    from kvlens.collector.hashing import fold_u64
+
+    assert [fold_u64(v) for v in (-1, -(2**63), 0, 2**63, 2**64 - 1)] == [
+        2**64 - 1, 2**63, 0, 2**63, 2**64 - 1]
