@@ -12,25 +12,25 @@ from collections.abc import Iterator, Sequence
 import duckdb
 import polars as pl
 
-from analyzers.capacity import effective_capacity, ttl_coverage
-from analyzers.costs import cost_model
-from analyzers.crossover import crossover
-from analyzers.fanout import fanout
-from analyzers.flows import flows
-from analyzers.hygiene import hygiene
-from analyzers.isolation import isolation_findings
-from analyzers.join import join_sources
-from analyzers.ledger import miss_ledger
-from analyzers.mrc import mrc
-from analyzers.outcomes import block_outcomes
-from analyzers.provenance import scenario_provenance
-from analyzers.ranking import prefix_ranking
-from analyzers.reconcile import reconcile
-from analyzers.request_ledger import request_ledger
-from analyzers.reuse import access_stream, reuse
-from analyzers.tails import latency_tails
-from analyzers.tiers import tier_payoff, tier_reconciliation
-from analyzers.warmup import warmup
+from kvlens.analyzers.capacity import effective_capacity, ttl_coverage
+from kvlens.analyzers.costs import cost_model
+from kvlens.analyzers.crossover import crossover
+from kvlens.analyzers.fanout import fanout
+from kvlens.analyzers.flows import flows
+from kvlens.analyzers.hygiene import hygiene
+from kvlens.analyzers.isolation import isolation_findings
+from kvlens.analyzers.join import join_sources
+from kvlens.analyzers.ledger import miss_ledger
+from kvlens.analyzers.mrc import mrc
+from kvlens.analyzers.outcomes import block_outcomes
+from kvlens.analyzers.provenance import scenario_provenance
+from kvlens.analyzers.ranking import prefix_ranking
+from kvlens.analyzers.reconcile import reconcile
+from kvlens.analyzers.request_ledger import request_ledger
+from kvlens.analyzers.reuse import access_stream, reuse
+from kvlens.analyzers.tails import latency_tails
+from kvlens.analyzers.tiers import tier_payoff, tier_reconciliation
+from kvlens.analyzers.warmup import warmup
 from kvlens.models import ModelGeometry, group_bytes_per_token
 
 __all__ = [

@@ -25,7 +25,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from analyzers.reuse import AccessStream, access_stream
+from kvlens.analyzers.reuse import AccessStream, access_stream
 from kvlens.errors import ConfigError, NoDataError
 
 __all__ = ["DEFAULT_TTLS_S", "effective_capacity", "ttl_coverage"]

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import polars as pl
 
-from analyzers.costs import CostModel, LoadPath
+from kvlens.analyzers.costs import CostModel, LoadPath
 
 __all__ = ["CROSSOVER_TOKENS", "crossover"]
 

@@ -30,7 +30,7 @@ import numba
 import numpy as np
 import polars as pl
 
-from analyzers.reuse import (
+from kvlens.analyzers.reuse import (
     _SIZE,
     _SLOT,
     AccessStream,

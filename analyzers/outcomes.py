@@ -20,7 +20,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from analyzers.replay import (
+from kvlens.analyzers.replay import (
     OUTCOME_CODES,
     SRC_CPU,
     SRC_DISK,

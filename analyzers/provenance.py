@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import duckdb
 
-from analyzers.costs import DEFAULT_DEVICE, DeviceModel
+from kvlens.analyzers.costs import DEFAULT_DEVICE, DeviceModel
 
 __all__ = ["MEASURED", "MODELLED", "SIMULATED", "Provenance", "scenario_provenance", "simulator_assumptions"]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import polars as pl
 
-from analyzers.costs import CostModel, LoadPath
+from kvlens.analyzers.costs import CostModel, LoadPath
 
 __all__ = ["prefix_ranking"]
 

@@ -49,8 +49,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from analyzers import vllm_cache as vc
-from analyzers.step_time import step_ns
+from kvlens.analyzers import vllm_cache as vc
+from kvlens.analyzers.step_time import step_ns
 
 __all__ = ["run_fleet"]
 

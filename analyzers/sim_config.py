@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from analyzers import costs
-from analyzers.step_time import StepModel
+from kvlens.analyzers import costs
+from kvlens.analyzers.step_time import StepModel
 from kvlens.errors import ConfigError
 from kvlens.schema import RoutingPolicy
 

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import polars as pl
 
-from analyzers.step_time import StepModel
-from analyzers.vllm_cache import KIND_STORED
+from kvlens.analyzers.step_time import StepModel
+from kvlens.analyzers.vllm_cache import KIND_STORED
 
 if TYPE_CHECKING:
-    from analyzers.sim_vllm import Prepared
+    from kvlens.analyzers.sim_vllm import Prepared
 
 __all__ = ["events_frame", "transfers_frame"]
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from analyzers import costs
-from analyzers.sim_config import SimConfig, SimResult
+from kvlens.analyzers import costs
+from kvlens.analyzers.sim_config import SimConfig, SimResult
 from kvlens.models import ModelGeometry
 from kvlens.schema import RoutingPolicy
 

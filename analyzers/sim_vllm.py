@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import polars as pl
 
-from analyzers.scheduler import run_fleet
-from analyzers.sim_config import SimConfig, SimResult
-from analyzers.step_time import StepModel
+from kvlens.analyzers.scheduler import run_fleet
+from kvlens.analyzers.sim_config import SimConfig, SimResult
+from kvlens.analyzers.step_time import StepModel
 from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 
@@ -141,7 +141,7 @@ def simulate_vllm(*, prep: Prepared, config: SimConfig, model: ModelGeometry, fi
         "prompt_tokens": prep.prompt, "output_tokens": reqs["output_tokens"], "cached_tokens": cached,
         "ttft_ms": (first - arrival) / 1e6, "queue_ms": (sched - arrival) / 1e6,
         "prefill_ms": (first - sched) / 1e6, "source": "sim"})
-    from analyzers.sim_frames import events_frame, transfers_frame
+    from kvlens.analyzers.sim_frames import events_frame, transfers_frame
 
     result = SimResult(tables={
         "requests": requests, "request_blocks": request_blocks.drop("scenario", strict=False),

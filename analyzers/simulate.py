@@ -28,10 +28,10 @@ import time
 
 import polars as pl
 
-from analyzers import step_time
-from analyzers.sim_config import Engine, SimConfig, SimResult, check, recorded_routes, static_routes
-from analyzers.sim_lru import simulate_lru
-from analyzers.sim_vllm import prepare, simulate_vllm
+from kvlens.analyzers import step_time
+from kvlens.analyzers.sim_config import Engine, SimConfig, SimResult, check, recorded_routes, static_routes
+from kvlens.analyzers.sim_lru import simulate_lru
+from kvlens.analyzers.sim_vllm import prepare, simulate_vllm
 from kvlens.models import ModelGeometry
 from kvlens.schema import RoutingPolicy
 

@@ -39,7 +39,7 @@ import numpy as np
 import polars as pl
 from numba import njit
 
-from analyzers.costs import DEFAULT_DEVICE, CostModel, DeviceModel
+from kvlens.analyzers.costs import DEFAULT_DEVICE, CostModel, DeviceModel
 from kvlens.errors import NoDataError
 from kvlens.models import ModelGeometry
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import duckdb
 import polars as pl
 
-from analyzers.reconcile import series_increase
+from kvlens.analyzers.reconcile import series_increase
 from kvlens.schema import HIT_OUTCOMES, Medium
 
 __all__ = ["tier_payoff", "tier_reconciliation"]

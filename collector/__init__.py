@@ -1,5 +1,5 @@
 """Collectors: bytes from the outside world -> schema rows -> the lake. No analysis here."""
 
-from collector.importer import FORMATS, ImportResult, import_files
+from kvlens.collector.imports import FORMATS, ImportResult, import_files
 
 __all__ = ["FORMATS", "ImportResult", "import_files"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.importer import (
+from kvlens.collector.importer import (
     INT64_MAX,
     FieldError,
     Parsed,

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from collector.importer import (
+from kvlens.collector.importer import (
     INT64_MAX,
     FieldError,
     Parsed,
@@ -64,7 +64,7 @@ def _token_blocks(rec: dict[str, Any], block: int,
                   prompt: int) -> tuple[list[int] | None, list[int | None], list[int | None]]:
     """(vLLM block hashes when the line has no block_hashes, content hashes, token hashes)
     from token_ids."""
-    from collector.hashing import ALGOS, content_hashes, token_hashes, vllm_block_hashes
+    from kvlens.collector.hashing import ALGOS, content_hashes, token_hashes, vllm_block_hashes
 
     tokens = rec.get("token_ids")
     if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 2**32 for t in tokens):

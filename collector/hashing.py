@@ -45,6 +45,7 @@ __all__ = [
     "BlockHash",
     "content_hashes",
     "event_hash",
+    "fold_u64",
     "hash_function",
     "none_hash",
     "token_hashes",
@@ -80,6 +81,16 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
 def none_hash(algo: str = "sha256", seed: str | None = None) -> bytes:
     """The chain root: ``hash_fn(seed)``; seed ``None`` means vLLM's fixed default."""
     return hash_function(algo)(DEFAULT_SEED if seed is None else seed)
+
+
+U64_MASK = (1 << 64) - 1
+
+
+def fold_u64(value: int) -> int:
+    """A block hash given as a signed (two's complement) or unsigned 64-bit int, as the unsigned 64-bit
+    value the lake stores (FORMATS.md section 6, item 4): -1 -> 2**64 - 1. The one folding rule of
+    every collector; callers range-check first where the input may not fit 64 bits."""
+    return value & U64_MASK
 
 
 def event_hash(digest: bytes) -> int:

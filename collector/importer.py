@@ -29,13 +29,14 @@ from typing import Any, Protocol
 
 import msgspec
 
+from kvlens.collector.hashing import U64_MASK, fold_u64
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import SegmentWriter, commit_together
 from kvlens.limits import INT32_MAX, INT64_MAX, fits, ints_fit, row_problem
 from kvlens.schema import REQUEST_BLOCKS, REQUESTS
 
 __all__ = [
-    "DEFAULT_T0_NS", "FORMATS", "INT32_MAX", "INT64_MAX", "MAX_LINE_BYTES", "FieldError", "ImportResult",
+    "DEFAULT_T0_NS", "FORMATS", "INT32_MAX", "INT64_MAX", "MAX_LINE_BYTES", "FieldError", "LineImportResult",
     "Parsed", "decode_line", "hash_id_request", "import_files", "need_hashes", "need_int", "need_number",
     "opt_str", "rfc3339_ns", "seconds_ns", "tail_tokens",
 ]
@@ -73,7 +74,6 @@ class Parsed:
     token_hashes: Sequence[int | None] | None = None  # per block, not chained (token ids known)
 
 
-_U64 = (1 << 64) - 1
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
@@ -136,9 +136,9 @@ def need_hashes(rec: dict[str, Any], key: str) -> list[int]:
     out = []
     for i, h in enumerate(value):
         if isinstance(h, int) and not isinstance(h, bool):
-            if not -(2**63) <= h <= _U64:
+            if not -(2**63) <= h <= U64_MASK:
                 raise FieldError(key, f"element {i} does not fit 64 bits: {h}")
-            out.append(h & _U64)
+            out.append(fold_u64(h))
         elif isinstance(h, str):
             if not _HEX.fullmatch(h):  # int(.., 16) would also take "-1", "+1", "1_0" and spaces
                 raise FieldError(key, f"element {i} is not a hex digest: {h!r:.40}")
@@ -189,7 +189,7 @@ def hash_id_request(rec: Any, request: dict[str, Any], *, block_tokens: int, nam
 
 
 class Parser(Protocol):
-    # None: the line repeats a request already parsed (counted in ImportResult.repeats).
+    # None: the line repeats a request already parsed (counted in LineImportResult.repeats).
     def __call__(self, rec: Any, *, lineno: int, stem: str) -> Parsed | None: ...
 
 
@@ -197,7 +197,7 @@ ParserFactory = Callable[..., Parser]  # (*, model, t0_ns) -> Parser
 
 
 def _formats() -> dict[str, ParserFactory]:
-    from collector import bailian, gateway, lmcache, mooncake
+    from kvlens.collector import bailian, gateway, lmcache, mooncake
 
     return {"mooncake": mooncake.parser, "bailian": bailian.parser, "gateway": gateway.parser,
             "lmcache-lookup": lmcache.parser}
@@ -207,7 +207,7 @@ FORMATS: tuple[str, ...] = ("mooncake", "bailian", "gateway", "lmcache-lookup")
 
 
 @dataclass
-class ImportResult:
+class LineImportResult:
     format: str
     scenario: str
     files: list[str]
@@ -292,7 +292,7 @@ def import_files(
     skip_bad_lines: bool = False,
     t0_ns: int = DEFAULT_T0_NS,
     on_progress: Callable[[int], None] | None = None,
-) -> ImportResult:
+) -> LineImportResult:
     """Import trace files of one format into ``scenario`` of ``lake``, replacing it.
 
     ``on_progress`` receives the bytes read from disk since its last call.
@@ -305,7 +305,7 @@ def import_files(
         if not p.is_file():
             raise InputError("no such file: check the path", path=str(p))
     parse = factories[fmt](model=model, t0_ns=t0_ns)
-    result = ImportResult(fmt, scenario, [str(p) for p in files])
+    result = LineImportResult(fmt, scenario, [str(p) for p in files])
     decoder = msgspec.json.Decoder()
     writer_id = f"import-{fmt}"
     rw = SegmentWriter(lake, "requests", scenario=scenario, writer_id=writer_id, replace=True)
@@ -326,7 +326,8 @@ def import_files(
 
 
 def _read_file(path: Path, parse: Parser, decoder: msgspec.json.Decoder[Any], cols: _Columns,
-               result: ImportResult, skip_bad_lines: bool, on_progress: Callable[[int], None] | None) -> None:
+               result: LineImportResult, skip_bad_lines: bool,
+               on_progress: Callable[[int], None] | None) -> None:
     done = 0
     stem = path.name.split(".")[0]
     for lineno, line, pos in _checked_lines(path):
@@ -388,7 +389,7 @@ def _check_rows(p: Parsed) -> None:
         raise FieldError("block_size", f"block size {p.block_size_tokens!r:.40} or namespace does not fit")
 
 
-def _bad_line(result: ImportResult, path: Path, lineno: int, line: bytes, err: Exception,
+def _bad_line(result: LineImportResult, path: Path, lineno: int, line: bytes, err: Exception,
               skip: bool) -> None:
     field_name = err.field if isinstance(err, FieldError) else None
     message = str(err)

@@ -62,8 +62,8 @@ import pyarrow as pa
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from collector.quarantine import spill_rows
-from collector.vllm_events import (
+from kvlens.collector.quarantine import spill_rows
+from kvlens.collector.vllm_events import (
     DEFAULT_MAX_PAYLOAD_BYTES,
     END_SEQ,
     DecodeError,
@@ -73,6 +73,7 @@ from collector.vllm_events import (
     split_frames,
     topic_replica,
 )
+from kvlens.errors import ConfigError
 from kvlens.lake import SegmentWriter, latest_checkpoint
 from kvlens.schema import EventKind
 
@@ -249,7 +250,7 @@ class LiveCollector:
     def __init__(self, options: CollectorOptions, *, context: zmq.Context[Any] | None = None,
                  metrics: CollectorMetrics | None = None, clock_ns: Callable[[], int] = time.time_ns) -> None:
         if not options.sources:
-            raise ValueError("no sources: give an endpoint or a kvlens.toml with [[fleet.replicas]]")
+            raise ConfigError("no sources: give an endpoint or a kvlens.toml with [[fleet.replicas]]")
         self.opt = options
         self.ctx = context or zmq.Context.instance()
         self.metrics = metrics or CollectorMetrics()

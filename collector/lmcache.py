@@ -33,7 +33,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from collector.importer import (
+from kvlens.collector.hashing import fold_u64
+from kvlens.collector.importer import (
     FieldError,
     Parsed,
     Parser,
@@ -46,9 +47,6 @@ from collector.importer import (
 
 __all__ = ["parser"]
 
-_U64 = (1 << 64) - 1
-
-
 def _hex_hashes(rec: dict[str, Any]) -> list[int]:
     value = rec.get("chunk_hashes")
     if not isinstance(value, list):
@@ -56,7 +54,7 @@ def _hex_hashes(rec: dict[str, Any]) -> list[int]:
     out = []
     for i, h in enumerate(value):
         if isinstance(h, int) and not isinstance(h, bool):
-            out.append(h & _U64)
+            out.append(fold_u64(h))
             continue
         if not isinstance(h, str):
             raise FieldError("chunk_hashes", f"element {i} is not a hex string: {h!r:.40}")
@@ -69,7 +67,7 @@ def _hex_hashes(rec: dict[str, Any]) -> list[int]:
             v = None
         if v is None:
             raise FieldError("chunk_hashes", f"element {i} is not a hex digest: {h!r:.40}")
-        out.append((-v if negative else v) & _U64)
+        out.append(fold_u64(-v if negative else v))
     return out
 
 

@@ -52,8 +52,8 @@ from typing import Any
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 
-from collector.otlp import OtlpDecodeError, SpanBatch, parse_otlp_json, parse_otlp_protobuf
-from collector.otlp_http import (
+from kvlens.collector.otlp import OtlpDecodeError, SpanBatch, parse_otlp_json, parse_otlp_protobuf
+from kvlens.collector.otlp_http import (
     _JSON,
     _PROTOBUF,
     _Budget,
@@ -64,7 +64,7 @@ from collector.otlp_http import (
     _status_body,
     inflate_bounded,
 )
-from collector.otlp_writer import RowWriter
+from kvlens.collector.otlp_writer import RowWriter
 from kvlens.errors import ConfigError
 
 __all__ = [

@@ -26,7 +26,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from collector.quarantine import spill_rows
+from kvlens.collector.quarantine import spill_rows
 from kvlens.lake import SegmentWriter
 
 __all__ = ["RowWriter"]

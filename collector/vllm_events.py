@@ -44,7 +44,7 @@ import msgspec
 import numpy as np
 import pyarrow as pa
 
-from collector.hashing import content_hashes
+from kvlens.collector.hashing import U64_MASK, content_hashes, event_hash, fold_u64
 from kvlens.errors import InputError
 from kvlens.limits import INT32_MAX, INT64_MAX
 from kvlens.schema import KV_EVENTS, EventKind, Medium, arrow_schema
@@ -65,7 +65,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_U64 = (1 << 64) - 1
 END_SEQ = b"\xff" * 8
 DEFAULT_MAX_PAYLOAD_BYTES = 16 * 2**20
 
@@ -119,9 +118,9 @@ def split_frames(frames: Sequence[bytes]) -> tuple[bytes, int, bytes]:
 def normalise_hash(value: Any) -> int:
     """An engine block hash as unsigned 64-bit (FORMATS.md section 6, item 4)."""
     if type(value) is int:
-        return value & _U64
+        return fold_u64(value)
     if isinstance(value, bytes | bytearray | memoryview) and len(value) > 0:
-        return int.from_bytes(bytes(value)[-8:], "big")
+        return event_hash(bytes(value))
     raise _BadEvent("hash_type")
 
 
@@ -564,7 +563,7 @@ def _hashes(raw: list[Any]) -> list[int]:
             return raw  # msgpack ints are below 2**64, so non-negative ones are already uint64
     except TypeError:  # bytes digests, or a mix
         pass
-    return [h & _U64 if type(h) is int else normalise_hash(h) for h in raw]
+    return [h & U64_MASK if type(h) is int else normalise_hash(h) for h in raw]  # fold_u64, inlined
 
 
 def _ts_ns(ts: float) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
-from dashboards.queries import Window, fetch, in_window, table_columns
+from kvlens.dashboards.queries import Window, fetch, in_window, table_columns
 
 __all__ = [
     "capacity_marks",

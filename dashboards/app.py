@@ -15,8 +15,8 @@ from pathlib import Path
 
 import streamlit as st
 
-from dashboards.common import Context, cursor, sidebar
-from dashboards.views import capacity, findings, latency, ledger
+from kvlens.dashboards.common import Context, cursor, sidebar
+from kvlens.dashboards.views import capacity, findings, latency, ledger
 
 __all__ = ["DB_ENV", "PAGES", "PageSpec", "main", "run"]
 

@@ -32,8 +32,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from dashboards.export_windows import DEFAULT_TOP_PREFIXES, WindowSnapshot, load_windows, window_families
-from dashboards.report_data import open_db
+from kvlens.dashboards.export_windows import (
+    DEFAULT_TOP_PREFIXES,
+    WindowSnapshot,
+    load_windows,
+    window_families,
+)
+from kvlens.dashboards.report_data import open_db
 
 __all__ = ["LEDGER_SQL", "RATIO_SQL", "LedgerCollector", "Snapshot", "load_snapshot", "serve"]
 

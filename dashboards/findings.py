@@ -12,8 +12,8 @@ from typing import Any
 
 import duckdb
 
-from dashboards.provenance import Origin, origins, tagged
-from dashboards.report_data import Window, has_rows, rows
+from kvlens.dashboards.provenance import Origin, origins, tagged
+from kvlens.dashboards.report_data import Window, has_rows, rows
 from kvlens.schema import HIT_OUTCOMES_SQL
 
 __all__ = ["CAUSES", "findings", "fmt_bytes", "fmt_ms", "fmt_pct"]

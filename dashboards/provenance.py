@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import duckdb
 
-from dashboards.queries import table_columns
+from kvlens.dashboards.queries import table_columns
 
 __all__ = ["Origin", "bytes_sentence", "origins", "tagged"]
 

@@ -21,10 +21,10 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from dashboards import charts, queries
-from dashboards.findings import findings, fmt_ms, fmt_pct
-from dashboards.provenance import Origin, bytes_sentence, origins, tagged
-from dashboards.report_data import (
+from kvlens.dashboards import charts, queries
+from kvlens.dashboards.findings import findings, fmt_ms, fmt_pct
+from kvlens.dashboards.provenance import Origin, bytes_sentence, origins, tagged
+from kvlens.dashboards.report_data import (
     Headline,
     Window,
     has_rows,
@@ -34,8 +34,8 @@ from dashboards.report_data import (
     open_db,
     rows,
 )
-from dashboards.report_data import scenario_names as analyzed_scenarios
-from dashboards.report_render import Chart, Section, Table, png_size, render_html, render_text
+from kvlens.dashboards.report_data import scenario_names as analyzed_scenarios
+from kvlens.dashboards.report_render import Chart, Section, Table, png_size, render_html, render_text
 from kvlens.errors import ConfigError, NoDataError
 
 __all__ = [

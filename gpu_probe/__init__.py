@@ -7,8 +7,8 @@ together and ``write_probe_rows`` appends them to the lake. See probe.py for the
 
 from __future__ import annotations
 
-from gpu_probe.prefill import INTERMEDIATE_SIZES, LayerShape, layer_shape, prefill_flops
-from gpu_probe.probe import (
+from kvlens.gpu_probe.prefill import INTERMEDIATE_SIZES, LayerShape, layer_shape, prefill_flops
+from kvlens.gpu_probe.probe import (
     ProbePlan,
     ProbeReport,
     parse_prefix_tokens,
@@ -18,8 +18,8 @@ from gpu_probe.probe import (
     run_probe,
     write_probe_rows,
 )
-from gpu_probe.records import Measurement, ProbePath, ProbeSource
-from gpu_probe.transfer import DelayCheck, delay_injection_check, measure_transfers
+from kvlens.gpu_probe.records import Measurement, ProbePath, ProbeSource
+from kvlens.gpu_probe.transfer import DelayCheck, delay_injection_check, measure_transfers
 
 __all__ = [
     "INTERMEDIATE_SIZES",

@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from gpu_probe.probe import (
+from kvlens.gpu_probe.probe import (
     GPU_PREFIX_TOKENS,
     ProbeReport,
     parse_prefix_tokens,
@@ -28,8 +28,8 @@ from gpu_probe.probe import (
     render_table,
     run_probe,
 )
-from gpu_probe.records import ProbePath
-from gpu_probe.timing import cuda_available
+from kvlens.gpu_probe.records import ProbePath
+from kvlens.gpu_probe.timing import cuda_available
 from kvlens.models import resolve_model
 
 __all__ = ["BANDWIDTH_RATIO_MIN", "PREFILL_TOKENS", "PREFILL_TO_MATMUL_MIN", "acceptance", "main"]

@@ -23,8 +23,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_probe.timing import import_torch
 from kvlens.errors import ConfigError
+from kvlens.gpu_probe.timing import import_torch
 from kvlens.models import ModelGeometry, dtype_bytes
 
 __all__ = [

@@ -29,9 +29,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_probe.records import Measurement, ProbePath
-from gpu_probe.timing import import_torch, median_ms, time_ms
 from kvlens.errors import ConfigError
+from kvlens.gpu_probe.records import Measurement, ProbePath
+from kvlens.gpu_probe.timing import import_torch, median_ms, time_ms
 from kvlens.models import ModelGeometry
 
 __all__ = [

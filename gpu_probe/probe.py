@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_probe.prefill import PrefillSetup, measure_matmul, measure_prefill
-from gpu_probe.records import Measurement, ProbePath, ProbeSource
-from gpu_probe.timing import cuda_available, device_name, import_torch
-from gpu_probe.transfer import DelayCheck, delay_injection_check, measure_transfers
 from kvlens.errors import ConfigError
+from kvlens.gpu_probe.prefill import PrefillSetup, measure_matmul, measure_prefill
+from kvlens.gpu_probe.records import Measurement, ProbePath, ProbeSource
+from kvlens.gpu_probe.timing import cuda_available, device_name, import_torch
+from kvlens.gpu_probe.transfer import DelayCheck, delay_injection_check, measure_transfers
 from kvlens.models import ModelGeometry
 
 __all__ = [

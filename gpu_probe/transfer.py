@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_probe.kvpool import (
+from kvlens.gpu_probe.kvpool import (
     KvBuffers,
     allocate_kv,
     bytes_equal,
@@ -35,8 +35,8 @@ from gpu_probe.kvpool import (
     poison_,
     poison_kv,
 )
-from gpu_probe.records import Measurement, ProbePath, gbps
-from gpu_probe.timing import import_torch, median_ms, time_ms
+from kvlens.gpu_probe.records import Measurement, ProbePath, gbps
+from kvlens.gpu_probe.timing import import_torch, median_ms, time_ms
 from kvlens.models import ModelGeometry
 
 __all__ = ["DelayCheck", "delay_injection_check", "measure_transfers"]

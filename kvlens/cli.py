@@ -7,8 +7,11 @@ text); bugs keep their tracebacks.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,24 @@ from kvlens.errors import KvlensError
 
 __all__ = ["cli", "main"]
 
-IMPORT_FORMATS = ("mooncake", "bailian", "gateway", "vllm-events", "lmcache-lookup", "otlp-json", "otlp")
+
+
+class _ImportFormats(click.Choice):
+    """``kvlens import``'s FORMAT choices, read from the collector's registry (collector/imports.py)
+    when click first needs them: the CLI imports the other packages only lazily."""
+
+    def __init__(self) -> None:
+        super().__init__((), case_sensitive=True)
+
+    @property
+    def choices(self) -> tuple[str, ...]:
+        from kvlens.collector.imports import FORMATS
+
+        return FORMATS
+
+    @choices.setter
+    def choices(self, _value: object) -> None:
+        pass
 
 
 def _routing_policies() -> list[Any]:
@@ -73,7 +93,7 @@ def cli(verbose: int) -> None:
 
 
 def _parse_t0(value: str | None) -> int:
-    from collector.importer import DEFAULT_T0_NS, rfc3339_ns
+    from kvlens.collector.importer import DEFAULT_T0_NS, rfc3339_ns
 
     if value is None:
         return DEFAULT_T0_NS
@@ -87,6 +107,18 @@ def _progress_bar(paths: tuple[str, ...], label: str) -> Any:
     total = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
     return click.progressbar(length=total, label=label, file=sys.stderr, show_eta=True,
                              show_percent=True, width=30)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals(stop: Callable[[], object]) -> Iterator[None]:
+    """While inside, SIGTERM and SIGINT call ``stop`` (the loop then ends as after its --duration);
+    the previous handlers come back on the way out. Every long-running command runs in one."""
+    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 _MODEL_CONFIG_HELP = ("A Hugging Face config.json: the model's KV geometry (layers, KV heads, head size, "
@@ -119,7 +151,7 @@ def _model_name(model: str | None, model_config: str | None) -> str | None:
 
 
 @cli.command("import")
-@click.argument("fmt", metavar="FORMAT", type=click.Choice(IMPORT_FORMATS))
+@click.argument("fmt", metavar="FORMAT", type=_ImportFormats())
 @click.argument("files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
 @click.option("--scenario", default="default", show_default=True,
@@ -138,46 +170,29 @@ def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model
     """
     from contextlib import nullcontext
 
-    from kvlens.errors import EmptyReplaceError
-    from kvlens.lake import empty_replace_allowed
+    from kvlens.collector.imports import LINE_FORMATS, import_files
 
+    lines = fmt in LINE_FORMATS  # read line by line: a progress bar and a --t0 anchor
     model = _model_name(model, model_config)
-
-    try:
-        with empty_replace_allowed() if allow_empty else nullcontext():
-            _import(fmt, files, lake, scenario, model, skip_bad_lines, t0)
-    except EmptyReplaceError:
-        raise EmptyReplaceError(
-            f"{', '.join(files)}: no rows read, so nothing was replaced: scenario {scenario!r} of {lake} "
-            "keeps its previous rows; check the file(s), or pass --allow-empty to empty the scenario"
-        ) from None
-
-
-def _import(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
-            skip_bad_lines: bool, t0: str | None) -> None:
-    if fmt == "vllm-events":  # frames recorded by `kvlens collect vllm --record` -> kv_events
-        from collector.vllm_events import import_capture
-
-        counts = import_capture(files, lake, scenario=scenario, model=model)
-        click.echo(f"imported {counts['batches']:,} batches and {counts['rows']:,} kv_events rows into "
-                   f"scenario {scenario!r} of {lake} ({counts['bad_frames']:,} bad frames, "
-                   f"{counts['bad_events']:,} bad events, {counts['duplicates']:,} duplicates skipped; "
-                   f"{counts['unannounced_parents']:,} stores whose parent was never announced)")
-        return
-    if fmt in ("otlp-json", "otlp"):  # OTLP trace files -> requests only (no blocks)
-        _import_otlp(fmt, files, lake, scenario, model, skip_bad_lines)
-        return
-    from collector.importer import import_files
-
-    with _progress_bar(files, f"import {fmt}") as bar:
-        result = import_files(fmt, files, lake, scenario=scenario, model=model,
-                              skip_bad_lines=skip_bad_lines, t0_ns=_parse_t0(t0), on_progress=bar.update)
-    click.echo(f"imported {result.requests:,} requests and {result.blocks:,} blocks "
-               f"into scenario {scenario!r} of {lake}")
-    if result.bad_lines:
-        click.echo(f"skipped {result.bad_lines:,} bad lines; first: {result.first_bad[0]}", err=True)
-    if result.repeats:
-        click.echo(f"skipped {result.repeats:,} repeated lookups of requests already imported", err=True)
+    bar: Any
+    with _progress_bar(files, f"import {fmt}") if lines else nullcontext() as bar:
+        r = import_files(fmt, files, lake, scenario=scenario, model=model, skip_bad_lines=skip_bad_lines,
+                         t0_ns=_parse_t0(t0) if lines else None, allow_empty=allow_empty,
+                         on_progress=bar.update if lines else None)
+    where = f"scenario {scenario!r} of {lake}"
+    if fmt == "vllm-events":
+        click.echo(f"imported {r.batches:,} batches and {r.kv_rows:,} kv_events rows into {where} "
+                   f"({r.bad_frames:,} bad frames, {r.bad_events:,} bad events, {r.duplicates:,} duplicates "
+                   f"skipped; {r.unannounced_parents:,} stores whose parent was never announced)")
+    elif fmt in ("otlp-json", "otlp"):
+        click.echo(f"imported {r.requests:,} requests from llm_request spans into {where} "
+                   f"({r.other_spans:,} other spans, {r.bad_spans:,} without a request id)")
+    else:
+        click.echo(f"imported {r.requests:,} requests and {r.blocks:,} blocks into {where}")
+    if r.bad_lines:
+        click.echo(f"skipped {r.bad_lines:,} bad lines; first: {r.first_bad[0]}", err=True)
+    if r.repeats:
+        click.echo(f"skipped {r.repeats:,} repeated lookups of requests already imported", err=True)
 
 
 @cli.command("sql")
@@ -247,8 +262,8 @@ def demo_cmd(workdir: str) -> None:
 
     Example: kvlens demo --workdir /tmp/kvlens-demo
     """
-    from dashboards.report import write_report
-    from sample_data.demo import SAMPLE_TRACE, run_demo
+    from kvlens.dashboards.report import write_report
+    from kvlens.sample_data.demo import SAMPLE_TRACE, run_demo
 
     with _progress_bar((str(SAMPLE_TRACE),), "import sample trace") as bar:
         summary = run_demo(Path(workdir), on_progress=bar.update)
@@ -259,30 +274,6 @@ def demo_cmd(workdir: str) -> None:
     # The same executable the user ran (make demo runs .venv/bin/kvlens, not on PATH).
     exe = sys.argv[0] if Path(sys.argv[0]).name == "kvlens" else "kvlens"
     click.echo(f"dashboard:   {exe} dashboard --db {db}   (then open http://localhost:8501)")
-
-
-def _scenario_model(con: Any, scenario: str, model: str | None,
-                    model_config: str | None = None) -> tuple[Any, str]:
-    """(geometry, source) of a scenario: --model / --model-config (``given``), else its requests' most
-    common known model (``requests``), else the default, assumed (``default``)."""
-    from kvlens.errors import ConfigError
-    from kvlens.models import DEFAULT_MODEL, get_model
-
-    given = _given_model(model, model_config)
-    if given is not None:
-        return given, "given"
-    names = con.execute("SELECT model FROM requests WHERE scenario = ? AND model IS NOT NULL "
-                        "GROUP BY model ORDER BY count(*) DESC", [scenario]).fetchall()
-    for (name,) in names:
-        try:
-            return get_model(name), "requests"
-        except ConfigError:
-            continue
-    said = f"model {names[0][0]} unknown" if names else "no model on its requests"
-    logging.getLogger(__name__).warning(
-        "scenario %s: %s, bytes assume %s; pass --model or --model-config config.json",
-        scenario, said, DEFAULT_MODEL)
-    return get_model(DEFAULT_MODEL), "default"
 
 
 @cli.command("analyze")
@@ -307,28 +298,15 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
 
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
     """
-    from analyzers import analyze_scenario
-    from kvlens.analysis_db import build_analysis_db
-    from kvlens.errors import NoDataError
+    from kvlens.analyzers.analyze import analyze_lake
 
-    _given_model(model, model_config)  # a bad --model / --model-config fails before any work
+    def bar(chosen: list[str]) -> Any:
+        return click.progressbar(chosen, label="analyze", file=sys.stderr, width=30,
+                                 item_show_func=lambda s: s or "")
 
-    def compute(con: Any) -> Any:
-        present = [r[0] for r in con.execute("SELECT DISTINCT scenario FROM requests ORDER BY 1").fetchall()]
-        chosen = list(scenarios) or [p for p in present if p not in join]
-        unknown = sorted((set(chosen) | set(join)) - set(present))
-        if unknown:
-            raise NoDataError(f"scenario(s) {', '.join(unknown)} have no requests in lake {lake}: "
-                              f"present are {', '.join(present) or 'none'}")
-        with click.progressbar(chosen, label="analyze", file=sys.stderr, width=30,
-                               item_show_func=lambda s: s or "") as bar:
-            for scenario in bar:
-                geometry, source = _scenario_model(con, scenario, model, model_config)
-                yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
-                                            metrics_from=metrics_from, model_source=source)
-
-    path = build_analysis_db(db, lake, compute)
-    click.echo(f"analysis DB written: {path}")
+    result = analyze_lake(lake, db, scenarios, _given_model(model, model_config), cache_tokens=cache_tokens,
+                          join=join, metrics_from=metrics_from, progress=bar)
+    click.echo(f"analysis DB written: {result.db}")
 
 
 @cli.command("simulate")
@@ -371,11 +349,12 @@ def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, engine: s
 
     Example: kvlens simulate --lake lake --from conv --scenario rr8 --replicas 8 --routing round_robin
     """
-    from analyzers import step_time
-    from analyzers.costs import cost_model
-    from analyzers.join import join_sources
-    from analyzers.sim_config import DEFAULT_MAX_BATCHED_TOKENS, Engine
-    from analyzers.simulate import SimConfig, simulate
+    from kvlens.analyzers import step_time
+    from kvlens.analyzers.analyze import scenario_model
+    from kvlens.analyzers.costs import cost_model
+    from kvlens.analyzers.join import join_sources
+    from kvlens.analyzers.sim_config import DEFAULT_MAX_BATCHED_TOKENS, Engine
+    from kvlens.analyzers.simulate import SimConfig, simulate
     from kvlens.errors import NoDataError
     from kvlens.lake import write_scenario
     from kvlens.query import connect
@@ -386,8 +365,7 @@ def simulate_cmd(lake: str, source: str, scenario: str, replicas: int, engine: s
     if reqs.is_empty():
         raise NoDataError(f"scenario {source!r} has no requests in lake {lake}: import it first")
     blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = ?", params=[source]).pl()
-    _given_model(model, model_config)  # a bad --model / --model-config fails before any work
-    geometry, _ = _scenario_model(con, source, model, model_config)
+    geometry, _ = scenario_model(con, source, _given_model(model, model_config))
     step = None
     if calibrate is not None:
         spans, _report = join_sources(requests=con.table("requests"), scenario=calibrate, sources=[source],
@@ -452,11 +430,9 @@ def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, repli
 
     Example: kvlens collect vllm --endpoint tcp://127.0.0.1:5557 --replay tcp://127.0.0.1:5558 --lake lake
     """
-    import signal
-
     from prometheus_client import start_http_server
 
-    from collector.live import CollectorOptions, LiveCollector, build_sources
+    from kvlens.collector.live import CollectorOptions, LiveCollector, build_sources
     from kvlens.config import check_zmq_endpoint
     from kvlens.supervise import check_port_free
 
@@ -474,11 +450,10 @@ def collect_vllm_cmd(endpoint: str | None, replay: str | None, topic: str, repli
     server = None
     if metrics_port is not None:
         server, _ = start_http_server(metrics_port, addr=metrics_addr, registry=collector.metrics.registry)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: collector.stop())
     click.echo(f"collecting {len(sources)} source(s) into {lake} as writer {collector.writer_id}", err=True)
     try:
-        collector.run(duration_s=duration)
+        with _stopped_by_signals(collector.stop):
+            collector.run(duration_s=duration)
     finally:
         if server is not None:
             server.shutdown()
@@ -511,7 +486,7 @@ def hash_cmd(block_size: int, algo: str, seed: str | None, salt: str | None, lor
     """
     import re
 
-    from collector.hashing import vllm_block_hashes
+    from kvlens.collector.hashing import vllm_block_hashes
     from kvlens.errors import InputError
 
     text = sys.stdin.read()
@@ -538,8 +513,14 @@ def probe_cmd(model: str | None, model_config: str | None, prefix_tokens: str | 
 
     Example: kvlens probe --model llama-3.1-8b --prefix-tokens 4096,16384 --lake lake
     """
-    from gpu_probe.probe import parse_prefix_tokens, plan_probe, render_table, run_probe, write_probe_rows
-    from gpu_probe.timing import cuda_available, import_torch
+    from kvlens.gpu_probe.probe import (
+        parse_prefix_tokens,
+        plan_probe,
+        render_table,
+        run_probe,
+        write_probe_rows,
+    )
+    from kvlens.gpu_probe.timing import cuda_available, import_torch
     from kvlens.models import resolve_model
 
     geometry = _given_model(model, model_config) or resolve_model(None)
@@ -580,32 +561,18 @@ def collect_scrape_cmd(url: str, replica: str, lake: str, interval: float, durat
 
     Example: kvlens collect scrape --url http://127.0.0.1:8000/metrics --replica replica-a --lake lake
     """
-    import signal
-
-    from collector.scrape import DEFAULT_FAMILY_PREFIXES, Scraper
+    from kvlens.collector.scrape import DEFAULT_FAMILY_PREFIXES, Scraper
     from kvlens.config import check_http_url
 
     check_http_url(url, "--url")
     scraper = Scraper(url=url, replica=replica, lake=lake, interval_s=interval, timeout_s=timeout,
                       scenario=scenario, flush_s=flush_seconds, prefixes=families or DEFAULT_FAMILY_PREFIXES)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: scraper.stop())
     click.echo(f"scraping {url} every {interval:g} s into {lake} as writer scrape-{replica}", err=True)
-    stats = scraper.run(duration_s=duration)
+    with _stopped_by_signals(scraper.stop):
+        stats = scraper.run(duration_s=duration)
     click.echo(f"{replica}: {stats.ok:,} scrapes, {stats.failed:,} failed, {stats.samples:,} samples")
     if stats.last_error:
         click.echo(f"last failure: {stats.last_error}", err=True)
-
-
-def _import_otlp(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model: str | None,
-                 skip_bad_lines: bool) -> None:
-    from collector.otlp import import_otlp
-
-    result = import_otlp(fmt, files, lake, scenario=scenario, model=model, skip_bad_lines=skip_bad_lines)
-    click.echo(f"imported {result.requests:,} requests from llm_request spans into scenario {scenario!r} "
-               f"of {lake} ({result.other_spans:,} other spans, {result.bad_spans:,} without a request id)")
-    if result.bad_lines:
-        click.echo(f"skipped {result.bad_lines:,} bad lines; first: {result.first_bad[0]}", err=True)
 
 
 @collect_group.command("otlp")
@@ -628,10 +595,9 @@ def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_by
 
     Example: kvlens collect otlp --listen 127.0.0.1:4318 --lake lake --duration 600
     """
-    import signal
     import threading
 
-    from collector.otlp_server import OtlpReceiver, ReceiverOptions, parse_listen
+    from kvlens.collector.otlp_server import OtlpReceiver, ReceiverOptions, parse_listen
 
     model = _model_name(model, model_config)
     host, port = parse_listen(listen)
@@ -639,11 +605,10 @@ def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_by
                                             max_body_bytes=max_body_bytes, flush_age_s=flush_seconds,
                                             scenario=scenario))
     stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
     click.echo(f"receiving OTLP traces on http://{listen}/v1/traces into {lake} "
                f"as writer {receiver.writer_id}", err=True)
-    receiver.run(duration_s=duration, stop_event=stop)
+    with _stopped_by_signals(stop.set):
+        receiver.run(duration_s=duration, stop_event=stop)
     m = receiver.metrics
     click.echo(f"{m.value('kvlens_otlp_requests_total'):,.0f} requests from "
                f"{m.value('kvlens_otlp_spans_total', kind='llm_request'):,.0f} llm_request spans, "
@@ -669,7 +634,7 @@ def _parse_now(value: str | None) -> int | None:
 def _smtp_settings(smtp: str, starttls: bool, user: str | None, password_env: str | None) -> Any:
     import os
 
-    from dashboards.mail import SmtpSettings, parse_smtp
+    from kvlens.dashboards.mail import SmtpSettings, parse_smtp
     from kvlens.errors import ConfigError
 
     if (user is None) != (password_env is None):
@@ -714,8 +679,8 @@ def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[
 
     Example: kvlens report --db kvlens.duckdb --out report.html --email-to ops@example.com --smtp mail:25
     """
-    from dashboards.report import build_report, parse_duration_ns, save_html
     from kvlens.config import load_config
+    from kvlens.dashboards.report import build_report, parse_duration_ns, save_html
     from kvlens.errors import ConfigError
 
     file = load_config(config).smtp if config else None
@@ -736,7 +701,7 @@ def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[
     path = save_html(report, out)
     click.echo(f"report written: {path} ({path.stat().st_size / 1024:,.0f} KiB, {len(report.charts)} charts)")
     if settings is not None and email_to is not None:
-        from dashboards.mail import build_message, send_message
+        from kvlens.dashboards.mail import build_message, send_message
 
         recipients = [a.strip() for a in email_to.split(",") if a.strip()]
         send_message(build_message(report, sender=sender, recipients=recipients, subject=subject), settings)
@@ -757,26 +722,23 @@ def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefix
 
     Example: kvlens export --db kvlens.duckdb --port 9465 --host 0.0.0.0
     """
-    import signal
     import threading
 
-    from dashboards.export import serve
     from kvlens.analysis_db import check_duckdb_file
+    from kvlens.dashboards.export import serve
     from kvlens.supervise import check_port_free
 
     check_duckdb_file(db)
     check_port_free(host, port, "--port")
     server, _, bound = serve(db, port=port, host=host, top_prefixes=top_prefixes)
     stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     click.echo(f"serving {db} on http://{host}:{bound}/metrics", err=True)
     try:
-        stop.wait(duration)
+        with _stopped_by_signals(stop.set):
+            stop.wait(duration)
     finally:
         server.shutdown()
         server.server_close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 @cli.command("dashboard")
@@ -801,7 +763,7 @@ def dashboard_cmd(db: str, port: int, host: str) -> None:
         raise ConfigError("the dashboard needs streamlit: pip install 'kvlens[dashboard]'")
     path = check_duckdb_file(db)
     check_port_free(host, port, "--port")
-    import dashboards
+    import kvlens.dashboards as dashboards
 
     app = Path(dashboards.__file__).resolve().parent / "app.py"
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.headless=true",

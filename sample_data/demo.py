@@ -9,16 +9,16 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from analyzers import analyze_scenario
-from analyzers.costs import DeviceModel
-from analyzers.simulate import SimConfig, SimResult, simulate
-from collector.importer import import_files
 from kvlens.analysis_db import build_analysis_db
+from kvlens.analyzers import analyze_scenario
+from kvlens.analyzers.costs import DeviceModel
+from kvlens.analyzers.simulate import SimConfig, SimResult, simulate
+from kvlens.collector import import_files
 from kvlens.lake import open_lake, write_scenario
 from kvlens.models import get_model
+from kvlens.sample_data import MOONCAKE_CONVERSATION
+from kvlens.sample_data.agents import AGENT_MODEL, write_agent_log
 from kvlens.schema import RoutingPolicy
-from sample_data import MOONCAKE_CONVERSATION
-from sample_data.agents import AGENT_MODEL, write_agent_log
 
 __all__ = ["DEMO_MODEL", "DEMO_SCENARIO", "INFINITE_CACHE_SQL", "SAMPLE_TRACE", "WHAT_IFS", "run_demo"]
 

@@ -72,7 +72,7 @@ def demo_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     ``demo_workdir / "kvlens.duckdb"`` is the demo's analysis DB; ``demo_workdir / "lake"`` its lake.
     """
-    from sample_data.demo import run_demo
+    from kvlens.sample_data.demo import run_demo
 
     workdir = tmp_path_factory.mktemp("demo")
     run_demo(workdir)

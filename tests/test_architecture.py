@@ -23,8 +23,17 @@ LAZY_ONLY = {("kvlens", "cli.py"): {"collector", "analyzers", "dashboards", "gpu
 MODULE_LEVEL_FORBIDDEN = {"gpu_probe": {"torch"}}
 
 
+def _layer(module: str) -> str:
+    """The layer an imported module belongs to: kvlens.collector.live -> collector, kvlens.lake ->
+    kvlens; anything else by its top-level name (an old bare ``collector`` import is caught apart)."""
+    parts = module.split(".")
+    if parts[0] == "kvlens" and len(parts) > 1 and parts[1] in PACKAGES:
+        return parts[1]
+    return parts[0]
+
+
 def _imports(tree: ast.Module) -> list[tuple[str, bool]]:
-    """(top-level module name, imported at module level) for every import in the tree."""
+    """(layer of the imported module, imported at module level) for every import in the tree."""
     top_level = {id(n) for n in tree.body}
     for node in tree.body:  # imports under a module-level if/try still run at import time
         if isinstance(node, ast.If | ast.Try):
@@ -32,9 +41,9 @@ def _imports(tree: ast.Module) -> list[tuple[str, bool]]:
     out = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            out += [(a.name.split(".")[0], id(node) in top_level) for a in node.names]
+            out += [(_layer(a.name), id(node) in top_level) for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.module.split(".")[0], id(node) in top_level))
+            out.append((_layer(node.module), id(node) in top_level))
     return out
 
 
@@ -52,8 +61,27 @@ def test_import_arrows_point_one_way() -> None:
 
 
 def test_the_arrow_check_can_fail() -> None:
-    bad = ast.parse("import analyzers\ndef f():\n    import torch\n")
-    assert _imports(bad) == [("analyzers", True), ("torch", False)]
+    bad = ast.parse("import kvlens.analyzers\nfrom kvlens.collector.live import X\nfrom kvlens import lake\n"
+                    "def f():\n    import torch\n")
+    assert _imports(bad) == [("analyzers", True), ("collector", True), ("kvlens", True), ("torch", False)]
+
+
+def test_only_the_installed_names_are_imported() -> None:
+    """Every import of a data-flow folder goes through kvlens.<folder>: a bare ``import collector``
+    works only from the checkout and would load a second copy of the module."""
+    bare = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    names = [node.module]
+                else:
+                    continue
+                bare += [f"{path.relative_to(ROOT)} imports {n}" for n in names
+                         if n.split(".")[0] in PACKAGES[1:]]
+    assert not bare, "\n".join(bare)
 
 
 def test_every_package_declares_all() -> None:

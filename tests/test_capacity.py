@@ -8,7 +8,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from analyzers.capacity import effective_capacity, ttl_coverage
+from kvlens.analyzers.capacity import effective_capacity, ttl_coverage
 from kvlens.errors import ConfigError, NoDataError
 
 S = 1_000_000_000
@@ -98,8 +98,8 @@ def test_analyze_writes_ttl_coverage_and_capacity_when_told_the_cache(
         tmp_path: Path, mooncake3: Path) -> None:
     from click.testing import CliRunner
 
-    from collector.importer import import_files
     from kvlens.cli import cli
+    from kvlens.collector.importer import import_files
     from kvlens.models import get_model
 
     lake, db = tmp_path / "lake", tmp_path / "a.duckdb"

@@ -8,7 +8,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from analyzers.costs import (
+from kvlens.analyzers.costs import (
     DEFAULT_DEVICE,
     CostModel,
     DeviceModel,
@@ -18,7 +18,7 @@ from analyzers.costs import (
     prefill_ms,
     useful_remote_tokens,
 )
-from analyzers.crossover import CROSSOVER_TOKENS, crossover
+from kvlens.analyzers.crossover import CROSSOVER_TOKENS, crossover
 from kvlens.models import get_model
 from kvlens.schema import TABLES
 

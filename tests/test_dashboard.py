@@ -14,10 +14,10 @@ from click.testing import CliRunner
 pytest.importorskip("streamlit", reason="the dashboard extra is not installed")
 from streamlit.testing.v1 import AppTest
 
-from dashboards import analyses, charts
-from dashboards.app import PAGES
-from dashboards.queries import Window, hit_ratios, ledger_by_outcome, scenario_span_ns
 from kvlens.cli import cli
+from kvlens.dashboards import analyses, charts
+from kvlens.dashboards.app import PAGES
+from kvlens.dashboards.queries import Window, hit_ratios, ledger_by_outcome, scenario_span_ns
 
 # The table whose rows a page's chart is drawn from (the page says "no rows yet" without them).
 PAGE_TABLES = {
@@ -45,7 +45,7 @@ PAGE_METRICS = {
 
 
 def _script(db: str, page: str) -> None:
-    from dashboards.app import run
+    from kvlens.dashboards.app import run
 
     run(db, only=page)
 
@@ -67,7 +67,7 @@ def _page(db: str, page: str) -> AppTest:
 
 
 def _rows(cur: duckdb.DuckDBPyConnection, table: str, scenario: str) -> int:
-    from dashboards.queries import table_rows
+    from kvlens.dashboards.queries import table_rows
 
     return table_rows(cur, table, scenario) or 0
 

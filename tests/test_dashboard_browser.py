@@ -22,8 +22,8 @@ import duckdb
 import pytest
 from test_dashboard import PAGE_TABLES
 
-from dashboards.app import PAGES
-from dashboards.queries import table_rows
+from kvlens.dashboards.app import PAGES
+from kvlens.dashboards.queries import table_rows
 
 pytestmark = pytest.mark.slow
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import duckdb
 
-from sample_data.agents import BLOCK_TOKENS, TENANTS
-from sample_data.demo import AGENT_WHAT_IF
+from kvlens.sample_data.agents import BLOCK_TOKENS, TENANTS
+from kvlens.sample_data.demo import AGENT_WHAT_IF
 
 
 def _log(workdir: Path) -> list[dict[str, object]]:

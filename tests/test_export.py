@@ -12,8 +12,8 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 from tiny_analysis_db import make_tiny_db
 
-from dashboards.export import serve
 from kvlens.cli import cli
+from kvlens.dashboards.export import serve
 from kvlens.errors import ConfigError
 from kvlens.query import query
 

@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_grafana import export_exposition
 from tiny_analysis_db import T0_NS, make_tiny_db
 
-from dashboards.export import load_snapshot
-from dashboards.export_windows import WINDOW_SECONDS
+from kvlens.dashboards.export import load_snapshot
+from kvlens.dashboards.export_windows import WINDOW_SECONDS
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 MIN_NS = 60 * 10**9

@@ -10,8 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzers.fanout import fanout
-from analyzers.flows import flows
+from kvlens.analyzers.fanout import fanout
+from kvlens.analyzers.flows import flows
 
 PER_TOKEN = 10
 BLOCK = 2  # tokens, so 20 bytes a block

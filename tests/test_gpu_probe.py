@@ -12,8 +12,10 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 
-import gpu_probe.timing
-from gpu_probe import (
+import kvlens.gpu_probe.timing as timing
+from kvlens.cli import cli
+from kvlens.errors import ConfigError
+from kvlens.gpu_probe import (
     INTERMEDIATE_SIZES,
     DelayCheck,
     LayerShape,
@@ -28,12 +30,10 @@ from gpu_probe import (
     probe_rows,
     render_table,
 )
-from gpu_probe.device_check import acceptance
-from gpu_probe.kvpool import kv_layout, loaded_tokens
-from gpu_probe.prefill import layers_that_fit
-from gpu_probe.timing import import_torch
-from kvlens.cli import cli
-from kvlens.errors import ConfigError
+from kvlens.gpu_probe.device_check import acceptance
+from kvlens.gpu_probe.kvpool import kv_layout, loaded_tokens
+from kvlens.gpu_probe.prefill import layers_that_fit
+from kvlens.gpu_probe.timing import import_torch
 from kvlens.lake import open_lake
 from kvlens.models import MODELS, from_hf_config, get_model
 
@@ -144,7 +144,7 @@ def test_import_torch_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch now raises ImportError
     with pytest.raises(ConfigError, match="pip install"):
         import_torch()
-    assert gpu_probe.timing.cuda_available() is False
+    assert timing.cuda_available() is False
 
 
 # -- table, rows and acceptance from a hand-made report (no torch) -----------------------------
@@ -206,7 +206,7 @@ def test_acceptance_lines_pass_and_fail() -> None:
 
 
 def test_gate_compares_bytes_not_floats(torch: Any) -> None:
-    from gpu_probe.kvpool import bytes_equal, poison_
+    from kvlens.gpu_probe.kvpool import bytes_equal, poison_
 
     a = torch.tensor([0.0, 1.0], dtype=torch.bfloat16)
     b = torch.tensor([-0.0, 1.0], dtype=torch.bfloat16)
@@ -223,7 +223,7 @@ def test_gate_compares_bytes_not_floats(torch: Any) -> None:
 
 
 def test_both_load_paths_install_the_blocks_and_the_gate_catches_misses(torch: Any) -> None:
-    from gpu_probe.kvpool import allocate_kv, gate_kv, load_batched, load_per_block, poison_kv
+    from kvlens.gpu_probe.kvpool import allocate_kv, gate_kv, load_batched, load_per_block, poison_kv
 
     buf = allocate_kv(LLAMA_8B, 64, device="cpu")
     assert buf.nbytes == LLAMA_8B.kv_bytes(64)
@@ -238,7 +238,7 @@ def test_both_load_paths_install_the_blocks_and_the_gate_catches_misses(torch: A
 
 
 def test_delay_injection_on_cpu_ordered_exact_and_control_caught(torch: Any) -> None:
-    from gpu_probe.transfer import delay_injection_check
+    from kvlens.gpu_probe.transfer import delay_injection_check
 
     check = delay_injection_check(LLAMA_8B, device="cpu", delay_s=0.2)
     assert check.ordered_exact is True
@@ -247,7 +247,7 @@ def test_delay_injection_on_cpu_ordered_exact_and_control_caught(torch: Any) -> 
 
 
 def test_measure_transfers_on_cpu(torch: Any) -> None:
-    from gpu_probe.transfer import measure_transfers
+    from kvlens.gpu_probe.transfer import measure_transfers
 
     rows = measure_transfers(LLAMA_8B, 40, device="cpu", warmup=0, runs=2)
     assert [r.path for r in rows] == [ProbePath.H2D_PINNED, ProbePath.H2D_PAGEABLE, ProbePath.D2H,
@@ -271,7 +271,7 @@ def _reference_attention(torch: Any, q: Any, k: Any, v: Any) -> Any:
 
 
 def test_attention_is_causal_gqa(torch: Any) -> None:
-    from gpu_probe.prefill import pick_attention
+    from kvlens.gpu_probe.prefill import pick_attention
 
     shape = LayerShape("t", hidden=64, heads=4, kv_heads=2, head_dim=16, intermediate=96, num_layers=1)
     name, attention = pick_attention(shape, "cpu", torch.float32)
@@ -282,7 +282,7 @@ def test_attention_is_causal_gqa(torch: Any) -> None:
 
 
 def test_layer_stack_is_random_and_finite(torch: Any) -> None:
-    from gpu_probe.prefill import _layer, _weights, pick_attention
+    from kvlens.gpu_probe.prefill import _layer, _weights, pick_attention
 
     shape = layer_shape(LLAMA_8B, width_divisor=16)
     weights = _weights(shape, 2, "cpu", torch.bfloat16)
@@ -295,7 +295,7 @@ def test_layer_stack_is_random_and_finite(torch: Any) -> None:
 
 
 def test_measure_prefill_and_matmul_on_cpu(torch: Any) -> None:
-    from gpu_probe.prefill import measure_matmul, measure_prefill
+    from kvlens.gpu_probe.prefill import measure_matmul, measure_prefill
 
     setup, rows = measure_prefill(LLAMA_8B, [32, 64], device="cpu", layers=1, width_divisor=16,
                                   warmup=0, runs=1)
@@ -314,7 +314,7 @@ def test_measure_prefill_and_matmul_on_cpu(torch: Any) -> None:
 
 
 def test_run_probe_on_cpu_writes_probe_runs(torch: Any, tmp_path: Path) -> None:
-    from gpu_probe import run_probe, write_probe_rows
+    from kvlens.gpu_probe import run_probe, write_probe_rows
 
     report = run_probe(plan_probe(LLAMA_8B, [32], quick=True, cuda=False))
     assert report.byte_exact and report.delay.passed
@@ -331,7 +331,7 @@ def test_run_probe_on_cpu_writes_probe_runs(torch: Any, tmp_path: Path) -> None:
 
 
 def test_cli_probe_without_cuda(torch: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gpu_probe.timing, "cuda_available", lambda: False)
+    monkeypatch.setattr(timing, "cuda_available", lambda: False)
     lake = tmp_path / "lake"
     result = CliRunner().invoke(cli, ["probe", "--model", "qwen2.5-7b", "--prefix-tokens", "32",
                                       "--quick", "--lake", str(lake)])
@@ -356,7 +356,7 @@ def test_cli_probe_bad_prefix_is_one_error_line(torch: Any) -> None:
 @gpu
 @needs_cuda
 def test_delay_injection_on_cuda(torch: Any) -> None:
-    from gpu_probe.transfer import delay_injection_check
+    from kvlens.gpu_probe.transfer import delay_injection_check
 
     check = delay_injection_check(LLAMA_8B, device="cuda", prefix_tokens=256)
     assert check.ordered_exact is True
@@ -366,7 +366,7 @@ def test_delay_injection_on_cuda(torch: Any) -> None:
 @gpu
 @needs_cuda
 def test_transfers_on_cuda_are_byte_exact(torch: Any) -> None:
-    from gpu_probe.transfer import measure_transfers
+    from kvlens.gpu_probe.transfer import measure_transfers
 
     rows = measure_transfers(LLAMA_8B, 1024, device="cuda", warmup=1, runs=2)
     assert len(rows) == 6 and all(r.byte_exact for r in rows)
@@ -376,7 +376,7 @@ def test_transfers_on_cuda_are_byte_exact(torch: Any) -> None:
 @gpu
 @needs_cuda
 def test_prefill_on_cuda_uses_a_fast_attention_backend(torch: Any) -> None:
-    from gpu_probe.prefill import measure_matmul, measure_prefill
+    from kvlens.gpu_probe.prefill import measure_matmul, measure_prefill
 
     setup, rows = measure_prefill(LLAMA_8B, [2048], device="cuda", layers=2, warmup=1, runs=2)
     assert "cudnn" in setup.attention or "flash" in setup.attention

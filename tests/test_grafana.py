@@ -15,10 +15,10 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from collector.live import CollectorMetrics
-from dashboards.export import serve
-from dashboards.grafana.build import DASHBOARD_JSON, RULES_YAML, build_dashboard, render_dashboard
-from dashboards.grafana.spec import PANELS, RULES, grafana_exprs, render_rules_yaml
+from kvlens.collector.live import CollectorMetrics
+from kvlens.dashboards.export import serve
+from kvlens.dashboards.grafana.build import DASHBOARD_JSON, RULES_YAML, build_dashboard, render_dashboard
+from kvlens.dashboards.grafana.spec import PANELS, RULES, grafana_exprs, render_rules_yaml
 
 DATA = Path(__file__).parent / "data"
 VLLM_METRICS = (DATA / "vllm-cpu-capture" / "metrics.txt", DATA / "vllm-concurrent-capture" / "metrics.txt")
@@ -63,8 +63,8 @@ def selector_names(node: Any) -> set[str]:
 
 
 def test_committed_files_are_the_generators_output() -> None:
-    assert DASHBOARD_JSON.read_text() == render_dashboard(), "run python -m dashboards.grafana.build"
-    assert RULES_YAML.read_text() == render_rules_yaml(), "run python -m dashboards.grafana.build"
+    assert DASHBOARD_JSON.read_text() == render_dashboard(), "run python -m kvlens.dashboards.grafana.build"
+    assert RULES_YAML.read_text() == render_rules_yaml(), "run python -m kvlens.dashboards.grafana.build"
 
 
 def test_dashboard_round_trips_through_grafanas_schema_types() -> None:

@@ -23,9 +23,9 @@ import pytest
 from prometheus_client import start_http_server
 from test_grafana import VLLM_METRICS
 
-from collector.live import CollectorMetrics
-from dashboards.grafana.build import RULES_YAML
-from dashboards.grafana.spec import RULES, grafana_exprs
+from kvlens.collector.live import CollectorMetrics
+from kvlens.dashboards.grafana.build import RULES_YAML
+from kvlens.dashboards.grafana.spec import RULES, grafana_exprs
 
 REPO = Path(__file__).resolve().parents[1]
 PROMETHEUS = shutil.which("prometheus")

@@ -14,9 +14,9 @@ from click.testing import CliRunner
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collector.hashing import DEFAULT_SEED, content_hashes, event_hash, none_hash, vllm_block_hashes
-from collector.vllm_events import read_capture, split_frames
 from kvlens.cli import cli
+from kvlens.collector.hashing import DEFAULT_SEED, content_hashes, event_hash, none_hash, vllm_block_hashes
+from kvlens.collector.vllm_events import read_capture, split_frames
 
 DATA = Path(__file__).parent / "data"
 ROOT_SEED0_CBOR = "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
@@ -139,3 +139,10 @@ def test_hash_command_prints_one_line_per_full_block() -> None:
     assert [(int(p), d, int(v)) for p, d, v in lines] == [(b.position, b.digest.hex(), b.value) for b in want]
     bad = CliRunner().invoke(cli, ["hash", "--block-size", "2"], input="1 two 3")
     assert bad.exit_code == 1 and "Error:" in bad.output
+
+
+def test_one_folding_rule_for_signed_and_unsigned_hashes() -> None:
+    from kvlens.collector.hashing import fold_u64
+
+    assert [fold_u64(v) for v in (-1, -(2**63), 0, 2**63, 2**64 - 1)] == [
+        2**64 - 1, 2**63, 0, 2**63, 2**64 - 1]

@@ -21,7 +21,7 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 
-from analyzers import block_outcomes, request_ledger
+from kvlens.analyzers import block_outcomes, request_ledger
 from kvlens.cli import cli
 from kvlens.lake import open_lake
 from kvlens.query import query

@@ -17,7 +17,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from analyzers import block_outcomes, request_ledger
+from kvlens.analyzers import block_outcomes, request_ledger
 from kvlens.lake import SegmentWriter, open_lake
 from kvlens.models import (
     KvGroup,

@@ -10,9 +10,9 @@ import duckdb
 import polars as pl
 import pyarrow.parquet as pq
 
-from analyzers.hygiene import hygiene
-from collector.hashing import content_hashes, token_hashes
-from collector.importer import import_files
+from kvlens.analyzers.hygiene import hygiene
+from kvlens.collector.hashing import content_hashes, token_hashes
+from kvlens.collector.importer import import_files
 from kvlens.lake import open_lake, segment_files
 
 B = 16

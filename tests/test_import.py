@@ -16,12 +16,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-import collector.importer as importer
-from collector.importer import DEFAULT_T0_NS, import_files
+import kvlens.collector.importer as importer
+from kvlens.collector.importer import DEFAULT_T0_NS, import_files
 from kvlens.errors import InputError
 from kvlens.lake import SegmentWriter
 from kvlens.query import query
-from sample_data import MOONCAKE_CONVERSATION
+from kvlens.sample_data import MOONCAKE_CONVERSATION
 
 REPO = Path(__file__).resolve().parents[1]
 T0 = 1_700_000_000_000_000_000
@@ -233,7 +233,7 @@ def test_gateway_rfc3339_fraction_is_exact(tmp_path: Path, write_jsonl: Callable
 
 
 def test_gateway_token_ids_hashed_as_vllm_does(tmp_path: Path, write_jsonl: Callable[..., Path]) -> None:
-    from collector.hashing import content_hashes, vllm_block_hashes
+    from kvlens.collector.hashing import content_hashes, vllm_block_hashes
 
     tokens = list(range(100, 140))  # 2 full blocks of 16 and a tail of 8 (not hashed, as vLLM does)
     path = write_jsonl("gw.jsonl", [
@@ -380,7 +380,7 @@ def test_reimport_replaces_and_scenarios_coexist(tmp_path: Path, mooncake3: Path
 
 _CHILD = """
 import functools, sys
-import collector.importer as m
+import kvlens.collector.importer as m
 from kvlens.lake import SegmentWriter
 m._BATCH_REQUESTS = 500
 m.SegmentWriter = functools.partial(SegmentWriter, flush_rows=2000)
@@ -461,7 +461,7 @@ def test_error_between_table_commits_is_undone(tmp_path: Path, mooncake3: Path,
 _KILL_BETWEEN_SWAPS = """
 import os, sys
 import kvlens.commit as c
-from collector.importer import import_files
+from kvlens.collector.importer import import_files
 real, calls = c._swap_one, []
 def swap(entry):
     calls.append(entry)

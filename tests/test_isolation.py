@@ -10,10 +10,10 @@ import duckdb
 import polars as pl
 import pytest
 
-from analyzers.isolation import isolation_findings
-from analyzers.outcomes import block_outcomes
-from collector.hashing import vllm_block_hashes
-from collector.importer import import_files
+from kvlens.analyzers.isolation import isolation_findings
+from kvlens.analyzers.outcomes import block_outcomes
+from kvlens.collector.hashing import vllm_block_hashes
+from kvlens.collector.importer import import_files
 from kvlens.lake import SegmentWriter, open_lake
 from kvlens.schema import BLOCK_OUTCOMES, KV_EVENTS, REQUEST_BLOCKS, REQUESTS, Table
 

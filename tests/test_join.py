@@ -9,9 +9,9 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 
-from analyzers.join import join_sources
-from collector.importer import import_files
+from kvlens.analyzers.join import join_sources
 from kvlens.cli import cli
+from kvlens.collector.importer import import_files
 from kvlens.lake import SegmentWriter, open_lake
 
 T0 = 1_796_000_000 * 10**9

@@ -21,8 +21,8 @@ from click.testing import CliRunner, Result
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from analyzers import block_outcomes, miss_ledger, request_ledger
-from analyzers.replay import replay_core
+from kvlens.analyzers import block_outcomes, miss_ledger, request_ledger
+from kvlens.analyzers.replay import replay_core
 from kvlens.cli import cli
 from kvlens.lake import SegmentWriter, create_enum_types, open_lake
 from kvlens.schema import TABLES, Outcome

@@ -31,8 +31,8 @@ from engine_frames import (
     signed,
 )
 
-from collector.live import GAP_METRIC, CollectorOptions, LiveCollector, Source, writer_id_for
-from collector.vllm_events import import_capture
+from kvlens.collector.live import GAP_METRIC, CollectorOptions, LiveCollector, Source, writer_id_for
+from kvlens.collector.vllm_events import import_capture
 from kvlens.config import load_config
 from kvlens.errors import ConfigError
 from kvlens.lake import latest_checkpoint
@@ -272,7 +272,7 @@ def test_slow_disk_and_flood_stay_bounded(ctx: zmq.Context[Any], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A flood against a slow writer: the queue never passes its bounds, and the PUB side's drops
     come back through the replay, so every event still lands once."""
-    from collector import live
+    from kvlens.collector import live
 
     real_accept = live.LiveCollector._accept
 
@@ -376,7 +376,7 @@ def _rows(lake: Path) -> int:
 # -- configuration -----------------------------------------------------------------------------
 
 def test_fleet_config(tmp_path: Path) -> None:
-    from collector.live import build_sources
+    from kvlens.collector.live import build_sources
 
     toml = tmp_path / "kvlens.toml"
     toml.write_text('[[fleet.replicas]]\nname = "a"\nendpoint = "tcp://10.0.0.1:5557"\n'

@@ -15,7 +15,7 @@ import zmq
 from engine_frames import BlockStored, EventBatch, FakeEngine, encode
 from test_live_collector import Running, Stream, _free_port, _query, _spawn, _wait
 
-from collector.live import GAP_METRIC, LiveCollector, Source
+from kvlens.collector.live import GAP_METRIC, LiveCollector, Source
 from kvlens.schema import EventKind
 
 STRAY = 2**62
@@ -199,8 +199,8 @@ def test_a_refused_write_is_retried_and_loses_nothing(ctx: zmq.Context[Any], tmp
 def test_rows_arrow_refuses_go_to_the_quarantine(tmp_path: Path) -> None:
     """A row that slipped past the decoder's checks: the rest of its chunk is written, it is kept aside."""
     c = LiveCollector.__new__(LiveCollector)  # only the parts _take_rows uses
-    from collector.live import CollectorMetrics, CollectorOptions
-    from collector.vllm_events import KvColumns
+    from kvlens.collector.live import CollectorMetrics, CollectorOptions
+    from kvlens.collector.vllm_events import KvColumns
     from kvlens.lake import SegmentWriter
 
     c.opt = CollectorOptions(lake=tmp_path / "lake", sources=[Source("tcp://x")])

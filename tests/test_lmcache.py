@@ -9,8 +9,8 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 
-from collector.importer import import_files
 from kvlens.cli import cli
+from kvlens.collector.importer import import_files
 from kvlens.errors import InputError
 from kvlens.lake import open_lake
 

@@ -75,7 +75,7 @@ def test_every_command_with_model_takes_model_config() -> None:
 
 @pytest.fixture
 def lake(tmp_path: Path, mooncake3: Path) -> Path:
-    from collector.importer import import_files
+    from kvlens.collector.importer import import_files
 
     lake = tmp_path / "lake"
     import_files("mooncake", [mooncake3], lake, scenario="s")  # no model on the rows
@@ -133,9 +133,9 @@ def test_simulate_takes_a_config_file(tmp_path: Path, lake: Path) -> None:
 
 def test_probe_takes_a_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("torch")  # the probe's own dependency (kvlens[gpu]); the CPU build runs here
-    import gpu_probe.timing
+    import kvlens.gpu_probe.timing as timing
 
-    monkeypatch.setattr(gpu_probe.timing, "cuda_available", lambda: False)
+    monkeypatch.setattr(timing, "cuda_available", lambda: False)
     config = _config(tmp_path, "small-gqa", SMALL_GQA)
     result = CliRunner().invoke(cli, ["probe", "--model-config", str(config), "--prefix-tokens", "32",
                                       "--quick"])

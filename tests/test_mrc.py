@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from multiturn import multiturn_blocks
 
-from analyzers.mrc import (
+from kvlens.analyzers.mrc import (
     _key_hashes,
     curve,
     exact_histogram,
@@ -21,7 +21,7 @@ from analyzers.mrc import (
     partition_histograms,
     shards_histogram,
 )
-from analyzers.reuse import request_stream
+from kvlens.analyzers.reuse import request_stream
 from kvlens.lake import open_lake
 from kvlens.schema import MRC
 
@@ -74,7 +74,7 @@ def test_curve_matches_python_lru(keys: list[int], size_of: list[int], capacitie
 @pytest.fixture(scope="module")
 def conv(tmp_path_factory: pytest.TempPathFactory
          ) -> tuple[np.ndarray, np.ndarray, duckdb.DuckDBPyConnection]:
-    from collector.importer import import_files
+    from kvlens.collector.importer import import_files
 
     lake = tmp_path_factory.mktemp("lake")
     import_files("mooncake", [TRACE], lake, scenario="conv")

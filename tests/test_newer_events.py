@@ -24,8 +24,9 @@ import msgspec
 import pytest
 from click.testing import CliRunner
 
-from analyzers import block_outcomes
-from collector.vllm_events import (
+from kvlens.analyzers import block_outcomes
+from kvlens.cli import cli
+from kvlens.collector.vllm_events import (
     DecodeError,
     EventDecoder,
     KvColumns,
@@ -33,7 +34,6 @@ from collector.vllm_events import (
     import_capture,
     split_snapshot_reply,
 )
-from kvlens.cli import cli
 from kvlens.lake import SegmentWriter, open_lake
 
 

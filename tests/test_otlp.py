@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from collector.otlp import OtlpDecodeError, import_otlp, parse_otlp_json, parse_otlp_protobuf
 from kvlens.cli import cli
+from kvlens.collector.otlp import OtlpDecodeError, import_otlp, parse_otlp_json, parse_otlp_protobuf
 from kvlens.errors import InputError
 from kvlens.query import query
 

@@ -16,7 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from test_otlp import otlp_json
 
-from collector.otlp import SpanBatch, parse_otlp_json, parse_otlp_protobuf
+from kvlens.collector.otlp import SpanBatch, parse_otlp_json, parse_otlp_protobuf
 
 T0_NS = 1_735_689_600 * 10**9
 CHAT = {"gen_ai.operation.name": "chat", "gen_ai.request.model": "llama-3.1-8b",

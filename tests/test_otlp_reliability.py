@@ -18,7 +18,7 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from test_otlp_server import BODY_001, _post, _query, _url
 
-from collector.otlp_server import OtlpReceiver, ReceiverOptions
+from kvlens.collector.otlp_server import OtlpReceiver, ReceiverOptions
 
 LIMIT = 1 << 20
 
@@ -94,7 +94,7 @@ def test_a_refused_write_is_retried_and_loses_nothing(tmp_path: Path,
 
 def test_rows_the_lake_refuses_are_quarantined(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A row that got past the decoder's checks costs itself (kept aside), not its batch or the writer."""
-    import collector.otlp_server as server
+    import kvlens.collector.otlp_server as server
 
     real = server.parse_otlp_protobuf
 
@@ -167,7 +167,7 @@ def _connect_all(host: str, port: int, n: int, within_s: float) -> tuple[list[so
 def test_the_listen_backlog_holds_500_connections(tmp_path: Path) -> None:
     """Nobody accepts here: the kernel completes a handshake only while the backlog has room
     (the stdlib's default of 5 let 6 of 500 in; the rest waited for SYN retries)."""
-    from collector.otlp_server import _Handler, _Server
+    from kvlens.collector.otlp_server import _Handler, _Server
 
     rec = OtlpReceiver(ReceiverOptions(lake=tmp_path / "lake", port=0))
     server = _Server(("127.0.0.1", 0), _Handler, rec)

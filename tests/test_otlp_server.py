@@ -29,8 +29,8 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor, SpanExportResult
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from collector.otlp import parse_otlp_protobuf
-from collector.otlp_server import OtlpReceiver, ReceiverOptions, inflate_bounded, parse_listen
+from kvlens.collector.otlp import parse_otlp_protobuf
+from kvlens.collector.otlp_server import OtlpReceiver, ReceiverOptions, inflate_bounded, parse_listen
 from kvlens.errors import ConfigError
 from kvlens.lake import segment_files
 from kvlens.query import query

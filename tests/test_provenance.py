@@ -40,8 +40,8 @@ def test_provenance_is_read_from_the_data(tmp_path: Path, mooncake3: Path,
 
 def test_a_what_ifs_assumptions_are_what_the_simulator_ran(tmp_path: Path) -> None:
     """The words beside a modelled figure come from the simulate run itself (table simulations)."""
-    from analyzers.provenance import scenario_provenance
-    from analyzers.simulate import SimConfig, simulate
+    from kvlens.analyzers.provenance import scenario_provenance
+    from kvlens.analyzers.simulate import SimConfig, simulate
     from kvlens.lake import write_scenario
     from kvlens.models import get_model
     from kvlens.schema import RoutingPolicy

@@ -14,11 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzers import block_outcomes
-from analyzers.costs import CostModel, DeviceModel, Label, Rate, cost_model
-from analyzers.ranking import DO_NOT, KEEP_LOCAL, PIN, PUBLISH, prefix_ranking
-from analyzers.simulate import SimConfig, simulate
-from collector.importer import import_files
+from kvlens.analyzers import block_outcomes
+from kvlens.analyzers.costs import CostModel, DeviceModel, Label, Rate, cost_model
+from kvlens.analyzers.ranking import DO_NOT, KEEP_LOCAL, PIN, PUBLISH, prefix_ranking
+from kvlens.analyzers.simulate import SimConfig, simulate
+from kvlens.collector.importer import import_files
 from kvlens.lake import open_lake, write_scenario
 from kvlens.models import get_model
 from kvlens.schema import TABLES, RoutingPolicy

@@ -9,8 +9,8 @@ import duckdb
 import polars as pl
 import pytest
 
-from analyzers.reconcile import reconcile
-from collector.scrape import parse_exposition
+from kvlens.analyzers.reconcile import reconcile
+from kvlens.collector.scrape import parse_exposition
 from kvlens.lake import SegmentWriter, open_lake
 
 S = 1_000_000_000

@@ -19,9 +19,9 @@ import pytest
 from click.testing import CliRunner
 from tiny_analysis_db import T0_NS, make_tiny_db
 
-from dashboards.mail import SmtpSettings, build_message, send_message
-from dashboards.report import Report, build_report, parse_duration_ns, png_size, write_report
 from kvlens.cli import cli
+from kvlens.dashboards.mail import SmtpSettings, build_message, send_message
+from kvlens.dashboards.report import Report, build_report, parse_duration_ns, png_size, write_report
 from kvlens.errors import ConfigError, KvlensError, NoDataError
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "report_demo.txt"
@@ -123,9 +123,9 @@ def test_day_over_day_compares_the_window_before(tiny_db: Path) -> None:
 
 
 def test_headline_ratios_match_the_dashboards(tiny_db: Path) -> None:
-    from dashboards import queries
-    from dashboards.report_data import Window as ReportWindow
-    from dashboards.report_data import headlines, open_db
+    from kvlens.dashboards import queries
+    from kvlens.dashboards.report_data import Window as ReportWindow
+    from kvlens.dashboards.report_data import headlines, open_db
 
     con = open_db(tiny_db)
     try:

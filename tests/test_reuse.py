@@ -10,7 +10,7 @@ import polars as pl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analyzers.reuse import reuse, reuse_distances
+from kvlens.analyzers.reuse import reuse, reuse_distances
 from kvlens.schema import REUSE
 
 
@@ -126,10 +126,10 @@ def test_reuse_table_streams() -> None:
 
 def test_a_shared_access_stream_gives_the_same_tables(tmp_path: Path, mooncake3: Path) -> None:
     # kvlens analyze builds the requests stream and its distances once for reuse, mrc and TTL.
-    from analyzers.capacity import ttl_coverage
-    from analyzers.mrc import mrc
-    from analyzers.reuse import access_stream, reuse
-    from collector.importer import import_files
+    from kvlens.analyzers.capacity import ttl_coverage
+    from kvlens.analyzers.mrc import mrc
+    from kvlens.analyzers.reuse import access_stream, reuse
+    from kvlens.collector.importer import import_files
     from kvlens.lake import open_lake
 
     lake = tmp_path / "lake"

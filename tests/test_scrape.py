@@ -14,8 +14,8 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 
-from collector.scrape import Scraper, parse_exposition
 from kvlens.cli import cli
+from kvlens.collector.scrape import Scraper, parse_exposition
 from kvlens.lake import open_lake
 
 CAPTURE = (Path(__file__).parent / "data" / "vllm-cpu-capture" / "metrics.txt").read_text()

@@ -19,16 +19,16 @@ import polars as pl
 import pytest
 from click.testing import CliRunner, Result
 
-from analyzers import block_outcomes, request_ledger
-from analyzers.simulate import Engine, SimConfig, SimResult, simulate
-from collector.importer import import_files
+from kvlens.analyzers import block_outcomes, request_ledger
+from kvlens.analyzers.simulate import Engine, SimConfig, SimResult, simulate
 from kvlens.cli import cli
+from kvlens.collector.importer import import_files
 from kvlens.errors import ConfigError
 from kvlens.lake import open_lake, write_scenario
 from kvlens.models import ModelGeometry, get_model
+from kvlens.sample_data import MOONCAKE_CONVERSATION
+from kvlens.sample_data.demo import INFINITE_CACHE_SQL, WHAT_IFS
 from kvlens.schema import RoutingPolicy
-from sample_data import MOONCAKE_CONVERSATION
-from sample_data.demo import INFINITE_CACHE_SQL, WHAT_IFS
 
 pytestmark = pytest.mark.slow  # a dozen simulations of a 12k-request trace, each through the ledger
 
@@ -348,9 +348,9 @@ def test_invalid_config_is_a_config_error(lab: Lab, bad: dict[str, Any]) -> None
 
 
 def test_an_unbounded_cache_too_large_to_hold_is_refused(lab: Lab, monkeypatch: pytest.MonkeyPatch) -> None:
-    import analyzers.sim_vllm
+    import kvlens.analyzers.sim_vllm as sim_vllm
 
-    monkeypatch.setattr(analyzers.sim_vllm, "MAX_FLEET_BLOCKS", 1_000)
+    monkeypatch.setattr(sim_vllm, "MAX_FLEET_BLOCKS", 1_000)
     with pytest.raises(ConfigError, match="give --gpu-blocks or --capacity-tokens"):
         simulate(requests=lab.sub_requests.head(50), request_blocks=lab.sub_blocks, model=lab.model,
                  config=SimConfig(replicas=8))

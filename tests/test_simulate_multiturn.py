@@ -15,12 +15,12 @@ import numpy as np
 import polars as pl
 import pytest
 
-from analyzers.simulate import SimResult, simulate
-from collector.importer import import_files
+from kvlens.analyzers.simulate import SimResult, simulate
+from kvlens.collector.importer import import_files
 from kvlens.lake import open_lake
 from kvlens.models import get_model
-from sample_data.demo import DEMO_MODEL, WHAT_IFS
-from sample_data.multiturn import write_multiturn_trace
+from kvlens.sample_data.demo import DEMO_MODEL, WHAT_IFS
+from kvlens.sample_data.multiturn import write_multiturn_trace
 
 pytestmark = pytest.mark.slow  # three 8-replica simulations of an 8,000-request trace
 

@@ -6,8 +6,8 @@ import numpy as np
 import polars as pl
 import pytest
 
-from analyzers import costs
-from analyzers.step_time import calibrated, modelled, step_ns
+from kvlens.analyzers import costs
+from kvlens.analyzers.step_time import calibrated, modelled, step_ns
 from kvlens.errors import NoDataError
 from kvlens.models import get_model
 

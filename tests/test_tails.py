@@ -8,7 +8,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from analyzers.tails import latency_tails
+from kvlens.analyzers.tails import latency_tails
 
 W = 1000  # window, ns
 

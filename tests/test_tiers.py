@@ -20,8 +20,8 @@ from typing import Any
 import duckdb
 import pytest
 
-from analyzers import block_outcomes, request_ledger, tier_payoff, tier_reconciliation
-from collector.vllm_events import medium_of
+from kvlens.analyzers import block_outcomes, request_ledger, tier_payoff, tier_reconciliation
+from kvlens.collector.vllm_events import medium_of
 from kvlens.lake import SegmentWriter, open_lake
 
 T0_NS = 1_735_689_600 * 10**9

@@ -14,12 +14,12 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 
-from dashboards.charts import OUTCOME_COLORS
-from dashboards.queries import Window, hit_ratios
-from dashboards.report import build_report
 from kvlens.cli import cli
+from kvlens.dashboards.charts import OUTCOME_COLORS
+from kvlens.dashboards.queries import Window, hit_ratios
+from kvlens.dashboards.report import build_report
+from kvlens.sample_data import MOONCAKE_CONVERSATION
 from kvlens.schema import Outcome
-from sample_data import MOONCAKE_CONVERSATION
 
 REUSABLE_SQL = """
 WITH ordered AS (

@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 import pytest
 
-from analyzers.scheduler import run_fleet
-from analyzers.step_time import N_PARAMS
+from kvlens.analyzers.scheduler import run_fleet
+from kvlens.analyzers.step_time import N_PARAMS
 from tests.vllm_oracle import run_fleet_py
 
 STEP = np.zeros(N_PARAMS)

@@ -34,8 +34,8 @@ from engine_frames import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from collector.hashing import content_hashes
-from collector.vllm_events import (
+from kvlens.collector.hashing import content_hashes
+from kvlens.collector.vllm_events import (
     DecodeError,
     EventDecoder,
     KvColumns,

@@ -8,8 +8,8 @@ import duckdb
 import polars as pl
 import pytest
 
-from analyzers.request_ledger import request_ledger
-from analyzers.warmup import warmup
+from kvlens.analyzers.request_ledger import request_ledger
+from kvlens.analyzers.warmup import warmup
 
 HOT0, HOT1, COLD = 100, 101, 200
 BLOCK = 2  # tokens per block; every prompt is two full blocks

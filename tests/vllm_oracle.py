@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from analyzers.step_time import step_ns
+from kvlens.analyzers.step_time import step_ns
 
 STORED, REMOVED = 0, 1
 WAITING, RUNNING, DONE = 0, 1, 2

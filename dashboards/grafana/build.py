@@ -2,7 +2,7 @@
 
 The dashboard is built with Grafana's own dashboards-as-code library, the Foundation SDK
 (PyPI ``grafana-foundation-sdk``, generated from Grafana's schema, so the JSON it writes has the
-shape Grafana's dashboard schema declares). Run ``python -m dashboards.grafana.build`` after
+shape Grafana's dashboard schema declares). Run ``python -m kvlens.dashboards.grafana.build`` after
 editing spec.py; tests/test_grafana.py fails while the committed files differ from its output.
 """
 
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from dashboards.grafana.spec import PANELS, SCENARIO_VARIABLE, Panel, render_rules_yaml
+from kvlens.dashboards.grafana.spec import PANELS, SCENARIO_VARIABLE, Panel, render_rules_yaml
 
 __all__ = ["DASHBOARD_JSON", "DASHBOARD_UID", "RULES_YAML", "build_dashboard", "main", "render_dashboard"]
 

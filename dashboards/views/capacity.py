@@ -5,8 +5,16 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import analyses, charts
-from dashboards.common import Context, fmt_bytes, fmt_ratio, has_rows, no_rows, provenance_note, show_chart
+from kvlens.dashboards import analyses, charts
+from kvlens.dashboards.common import (
+    Context,
+    fmt_bytes,
+    fmt_ratio,
+    has_rows,
+    no_rows,
+    provenance_note,
+    show_chart,
+)
 
 __all__ = ["capacity", "flows"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import analyses, charts
-from dashboards.common import Context, fmt_bytes, has_rows, no_rows, provenance_note, show_chart
+from kvlens.dashboards import analyses, charts
+from kvlens.dashboards.common import Context, fmt_bytes, has_rows, no_rows, provenance_note, show_chart
 
 __all__ = ["audit", "hygiene", "prefixes", "probe"]
 

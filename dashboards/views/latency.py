@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import analyses, charts
-from dashboards.common import (
+from kvlens.dashboards import analyses, charts
+from kvlens.dashboards.common import (
     Context,
     fmt_ratio,
     has_rows,
@@ -16,8 +16,8 @@ from dashboards.common import (
     provenance_note,
     show_chart,
 )
-from dashboards.provenance import origins
-from dashboards.queries import Window, hit_ratios
+from kvlens.dashboards.provenance import origins
+from kvlens.dashboards.queries import Window, hit_ratios
 
 __all__ = ["latency", "whatif"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import polars as pl
 import streamlit as st
 
-from dashboards import analyses, charts
-from dashboards.common import (
+from kvlens.dashboards import analyses, charts
+from kvlens.dashboards.common import (
     Context,
     fmt_bytes,
     fmt_ratio,
@@ -17,7 +17,7 @@ from dashboards.common import (
     provenance_note,
     show_chart,
 )
-from dashboards.queries import (
+from kvlens.dashboards.queries import (
     HIT_OUTCOMES,
     hit_ratios,
     ledger_by_outcome,

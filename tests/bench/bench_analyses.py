@@ -23,16 +23,16 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from analyzers import analyze_scenario
-from analyzers.ledger import miss_ledger
-from analyzers.outcomes import block_outcomes
-from analyzers.request_ledger import request_ledger
-from analyzers.simulate import simulate
-from collector.importer import import_files
 from kvlens.analysis_db import build_analysis_db
+from kvlens.analyzers import analyze_scenario
+from kvlens.analyzers.ledger import miss_ledger
+from kvlens.analyzers.outcomes import block_outcomes
+from kvlens.analyzers.request_ledger import request_ledger
+from kvlens.analyzers.simulate import simulate
+from kvlens.collector.importer import import_files
 from kvlens.lake import open_lake, write_scenario
 from kvlens.models import get_model
-from sample_data.demo import DEMO_MODEL, DEMO_SCENARIO, SAMPLE_TRACE, WHAT_IFS
+from kvlens.sample_data.demo import DEMO_MODEL, DEMO_SCENARIO, SAMPLE_TRACE, WHAT_IFS
 
 TARGET_S = 60.0
 CACHE_TOKENS = 4_000_000  # the demo fleet's: 8 replicas x 500k tokens

@@ -18,7 +18,7 @@ from pathlib import Path
 import msgspec
 import pyarrow as pa
 
-from collector.vllm_events import EventDecoder, KvColumns
+from kvlens.collector.vllm_events import EventDecoder, KvColumns
 from kvlens.lake import SegmentWriter
 
 BATCHES = int(os.environ.get("KVLENS_BENCH_BATCHES", 20_000))

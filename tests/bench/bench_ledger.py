@@ -25,14 +25,14 @@ import duckdb
 import numpy as np
 from click.testing import CliRunner
 
-import analyzers.outcomes as outcomes_mod
-from analyzers.simulate import SimConfig, simulate
-from collector.importer import import_files
+import kvlens.analyzers.outcomes as outcomes_mod
+from kvlens.analyzers.simulate import SimConfig, simulate
 from kvlens.cli import cli
+from kvlens.collector.importer import import_files
 from kvlens.lake import open_lake, write_scenario
 from kvlens.models import get_model
+from kvlens.sample_data import MOONCAKE_CONVERSATION
 from kvlens.schema import Outcome
-from sample_data import MOONCAKE_CONVERSATION
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from replay_oracle import replay_py

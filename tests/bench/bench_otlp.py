@@ -21,7 +21,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from collector.otlp_server import OtlpReceiver, ReceiverOptions
+from kvlens.collector.otlp_server import OtlpReceiver, ReceiverOptions
 from kvlens.lake import segment_files
 
 REPO = Path(__file__).resolve().parents[2]

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from analyzers.mrc import curve, exact_histogram
-from analyzers.reuse import reuse_distances
+from kvlens.analyzers.mrc import curve, exact_histogram
+from kvlens.analyzers.reuse import reuse_distances
 
 ACCESSES = int(os.environ.get("KVLENS_BENCH_ACCESSES", 10_000_000))
 KEYS = 1_000_000

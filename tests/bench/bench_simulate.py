@@ -19,12 +19,12 @@ import time
 import duckdb
 import polars as pl
 
-from analyzers.simulate import Engine, SimConfig, simulate
-from collector.importer import import_files
+from kvlens.analyzers.simulate import Engine, SimConfig, simulate
+from kvlens.collector.importer import import_files
 from kvlens.lake import open_lake
 from kvlens.models import get_model
+from kvlens.sample_data.demo import DEMO_MODEL, DEMO_SCENARIO, SAMPLE_TRACE, WHAT_IFS
 from kvlens.schema import RoutingPolicy
-from sample_data.demo import DEMO_MODEL, DEMO_SCENARIO, SAMPLE_TRACE, WHAT_IFS
 
 TARGET_S = 30.0
 _OLD = {"replicas": 8, "capacity_tokens": 3_000_000, "max_seqs": 4, "engine": Engine.LRU}

@@ -19,9 +19,11 @@ import atheris
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for `fuzz`
 
-import collector.hashing  # noqa: F401  numba-compiled: loaded before (so without) instrumentation
+import kvlens.collector.hashing  # noqa: F401  numba-compiled: loaded before (so without) instrumentation
 
-with atheris.instrument_imports(include=["collector", "kvlens", "fuzz"]):
+# The decoders (kvlens.collector) and the spine (kvlens) are instrumented, not the analysis side.
+with atheris.instrument_imports(include=["kvlens", "fuzz"], exclude=[
+        "kvlens.analyzers", "kvlens.dashboards", "kvlens.gpu_probe", "kvlens.sample_data"]):
     from fuzz.harness import KINDS, check, save
     from fuzz.mutate import mutate
     from fuzz.targets import protobuf_mutant, seeds

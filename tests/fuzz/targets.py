@@ -21,10 +21,10 @@ from typing import Any
 import msgspec
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
-from collector import importer
-from collector.otlp import OtlpDecodeError, parse_otlp_json, parse_otlp_protobuf
-from collector.scrape import ScrapeError, _columns, parse_exposition
-from collector.vllm_events import DecodeError, EventDecoder, KvColumns
+from kvlens.collector import importer
+from kvlens.collector.otlp import OtlpDecodeError, parse_otlp_json, parse_otlp_protobuf
+from kvlens.collector.scrape import ScrapeError, _columns, parse_exposition
+from kvlens.collector.vllm_events import DecodeError, EventDecoder, KvColumns
 from kvlens.errors import KvlensError
 from kvlens.limits import row_problem
 from kvlens.schema import KV_EVENTS, METRIC_SAMPLES, REQUEST_BLOCKS, REQUESTS
@@ -236,7 +236,7 @@ _PB_TIMES = (0, 1, 2**63 - 1, 2**63, 2**64 - 1, 1_796_000_000_000_000_000, 9_223
 
 def protobuf_mutant(data: bytes, rng: Any) -> bytes | None:
     """A span of ``data`` with one impossible time or attribute value; None if it does not parse."""
-    from collector.otlp import _WANTED
+    from kvlens.collector.otlp import _WANTED
 
     try:
         msg = ExportTraceServiceRequest.FromString(data)

@@ -43,8 +43,8 @@ from live_engine import (
     stop,
 )
 
-from analyzers.outcomes import block_outcomes
-from analyzers.request_ledger import request_ledger
+from kvlens.analyzers.outcomes import block_outcomes
+from kvlens.analyzers.request_ledger import request_ledger
 from kvlens.lake import open_lake
 from kvlens.query import query
 

@@ -1,0 +1,87 @@
+"""analyzers' front door for ``kvlens analyze``: a lake -> the analysis DB, models resolved here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import duckdb
+import polars as pl
+
+from kvlens.analysis_db import build_analysis_db
+from kvlens.errors import ConfigError, NoDataError
+from kvlens.models import DEFAULT_MODEL, ModelGeometry, get_model
+
+__all__ = ["AnalyzeResult", "analyze_lake", "scenario_model"]
+
+log = logging.getLogger(__name__)
+
+SCENARIOS_SQL = "SELECT DISTINCT scenario FROM requests ORDER BY 1"
+SCENARIO_MODELS_SQL = ("SELECT model FROM requests WHERE scenario = ? AND model IS NOT NULL "
+                       "GROUP BY model ORDER BY count(*) DESC")
+
+# Wraps the chosen scenarios for display (the CLI's progress bar); entered once around the loop.
+Progress = Callable[[list[str]], AbstractContextManager[Iterable[str]]]
+
+
+@dataclass(frozen=True)
+class AnalyzeResult:
+    """The DB written and, per scenario analyzed, the model its bytes assume and where it came from."""
+
+    db: Path
+    scenarios: tuple[str, ...]
+    models: tuple[tuple[str, str, str], ...]  # (scenario, model name, given | requests | default)
+
+
+def scenario_model(con: duckdb.DuckDBPyConnection, scenario: str,
+                   given: ModelGeometry | None = None) -> tuple[ModelGeometry, str]:
+    """(geometry, source) of a scenario: ``given`` (``given``), else its requests' most common known
+    model (``requests``), else the default, assumed (``default``)."""
+    if given is not None:
+        return given, "given"
+    names = con.execute(SCENARIO_MODELS_SQL, [scenario]).fetchall()
+    for (name,) in names:
+        try:
+            return get_model(name), "requests"
+        except ConfigError:
+            continue
+    said = f"model {names[0][0]} unknown" if names else "no model on its requests"
+    log.warning("scenario %s: %s, bytes assume %s; pass --model or --model-config config.json",
+                scenario, said, DEFAULT_MODEL)
+    return get_model(DEFAULT_MODEL), "default"
+
+
+def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scenarios: Sequence[str] = (),
+                 model: ModelGeometry | None = None, *, cache_tokens: int | None = None,
+                 join: Sequence[str] = (), metrics_from: str | None = None,
+                 progress: Progress | None = None) -> AnalyzeResult:
+    """(Re)build ``db`` from ``lake``: every analysis of each of ``scenarios`` (default: all but the
+    ``join`` sources), with ``model`` or each scenario's own (``scenario_model``)."""
+    from kvlens.analyzers import analyze_scenario
+
+    done: list[str] = []
+    models: list[tuple[str, str, str]] = []
+
+    def compute(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
+        present = [r[0] for r in con.execute(SCENARIOS_SQL).fetchall()]
+        chosen = list(scenarios) or [p for p in present if p not in join]
+        unknown = sorted((set(chosen) | set(join)) - set(present))
+        if unknown:
+            raise NoDataError(f"scenario(s) {', '.join(unknown)} have no requests in lake {lake}: "
+                              f"present are {', '.join(present) or 'none'}")
+        wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
+        with wrapped as each:
+            for scenario in each:
+                geometry, source = scenario_model(con, scenario, model)
+                yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
+                                            metrics_from=metrics_from, model_source=source)
+                done.append(scenario)
+                models.append((scenario, geometry.name, source))
+
+    path = build_analysis_db(db, lake, compute)
+    return AnalyzeResult(path, tuple(done), tuple(models))
