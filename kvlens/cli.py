@@ -750,7 +750,9 @@ def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[
               help="Port for /metrics (0: any free one).")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all).")
 @click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
-def export_cmd(db: str, port: int, host: str, duration: float | None) -> None:
+@click.option("--top-prefixes", type=click.IntRange(0, 100), default=10, show_default=True,
+              help="Prefixes served in kvlens_prefix_lost_tokens per scenario (bounds its cardinality).")
+def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefixes: int) -> None:
     """Serve the latest ledger as Prometheus gauges (tokens, bytes, hit ratios), reread when the DB changes.
 
     Example: kvlens export --db kvlens.duckdb --port 9465 --host 0.0.0.0
@@ -764,7 +766,7 @@ def export_cmd(db: str, port: int, host: str, duration: float | None) -> None:
 
     check_duckdb_file(db)
     check_port_free(host, port, "--port")
-    server, _, bound = serve(db, port=port, host=host)
+    server, _, bound = serve(db, port=port, host=host, top_prefixes=top_prefixes)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
     click.echo(f"serving {db} on http://{host}:{bound}/metrics", err=True)
