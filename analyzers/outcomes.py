@@ -3,7 +3,9 @@
 Reads ``requests``, ``request_blocks``, ``kv_events`` and ``transfers`` of one scenario,
 replays the cache state (analyzers/replay.py) and labels each full block with DESIGN.md's
 outcome. The look-up time of a request is its arrival plus its queue time when known: the
-moment the engine consults its prefix cache. Partial tails are not needed blocks: they are
+moment the engine consults its prefix cache; where the request's own stores show its admission
+in the event stream, the look-up is placed there instead (analyzers/admission.py), which is
+exact with many requests in flight. Partial tails are not needed blocks: they are
 ``tail_partial`` tokens (analyzers/request_ledger.py), never a hit or a miss.
 
 KV cache groups (hybrid models) come from the events: ``group_idx`` (NULL: group 0) with the
@@ -20,6 +22,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from kvlens.analyzers.admission import admission_cuts
 from kvlens.analyzers.replay import (
     OUTCOME_CODES,
     SRC_CPU,
@@ -81,7 +84,8 @@ def _events(kv_events: duckdb.DuckDBPyRelation, scenario: str, locs: _Codes,
             spaces: _Codes) -> tuple[dict[str, np.ndarray], pl.DataFrame]:
     """The replay core's event arrays, and each location's KV cache groups (location code,
     group_idx, group code, sliding window tokens or 0)."""
-    ev = _scenario(kv_events, scenario, "ts_ns", "seq", "replica", "kind", "block_hash", "medium",
+    ev = _scenario(kv_events, scenario, "ts_ns", "seq", "replica", "kind", "block_hash", "parent_hash",
+                   "medium",
                    "content_hash", "namespace", "group_idx", "spec_kind", "sliding_window_tokens",
                    "remaining_copies")
     ev = ev.filter(pl.col("kind").cast(pl.Utf8).is_in(list(_KIND_CODES)))  # inactive changes no residency
@@ -107,6 +111,8 @@ def _events(kv_events: duckdb.DuckDBPyRelation, scenario: str, locs: _Codes,
         "ev_c": _u64_as_i64(ev["content_hash"]),
         "ev_ns": spaces.encode(ev["namespace"], null=-1),
         "ev_left": ev["remaining_copies"].fill_null(-1).to_numpy().astype(np.int64),
+        "ev_seq": ev["seq"].fill_null(0).cast(pl.Int64).to_numpy(),
+        "ev_parent": _u64_as_i64(ev["parent_hash"]),
     }, _groups(ev, codes)
 
 
@@ -131,7 +137,8 @@ def _windows(groups: pl.DataFrame, n_locs: int, n_groups: int) -> np.ndarray:
 
 def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
             transfers: duckdb.DuckDBPyRelation, scenario: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    req = _scenario(requests, scenario, "request_id", "arrival_ns", "queue_ms", "replica", "prompt_tokens")
+    req = _scenario(requests, scenario, "request_id", "arrival_ns", "queue_ms", "replica", "prompt_tokens",
+                    "source")
     req = req.unique("request_id", keep="first").with_columns(
         lookup_ns=pl.col("arrival_ns") + (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64))
     blocks = _scenario(request_blocks, scenario, "request_id", "position", "block_hash", "content_hash",
@@ -164,6 +171,19 @@ def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRe
     return req, full
 
 
+def _admitted(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
+              locs: _Codes) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Requests and blocks with each look-up's place in the event stream (``cut``), in that order."""
+    hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
+    cuts = admission_cuts(ev, req, hashed, locs.encode(req["replica"]), locs.index.get(POOL_LOCATION, -1))
+    req = (req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64))
+           .sort("cut", "lookup_ns", "arrival_ns", "request_id"))
+    full = (full.join(req.select("request_id", "cut"), on="request_id")
+            .sort("cut", "lookup_ns", "arrival_ns", "request_id", "position")
+            .with_columns(reusable=~pl.col("block_hash").is_first_distinct()))
+    return req, full
+
+
 def block_outcomes(
     *,
     requests: duckdb.DuckDBPyRelation,
@@ -182,7 +202,7 @@ def block_outcomes(
     key_diff (for miss_incompatible: the namespace the same content was stored under), cut_group
     (for miss_group: the group_idx of the KV cache group that cut the hit short), reusable (an
     earlier request needed the block), origin (for a hit: gpu, cpu, disk, pool, or the replica a
-    transfer came from). Sorted by look-up time, request, position.
+    transfer came from). Sorted by look-up (admission order), request, position.
 
     ``bytes`` is tokens x ``bytes_per_token``, unless ``group_bytes_per_token`` gives one rate
     per KV cache group (group_idx 0, 1, ...) for as many groups as the events name: then a hit
@@ -191,9 +211,10 @@ def block_outcomes(
     """
     req, full = _needed(requests, request_blocks, transfers, scenario)
     locs, spaces = _Codes(), _Codes()
+    ev, groups = _events(kv_events, scenario, locs, spaces)
+    req, full = _admitted(ev, req, full, locs)
     req_loc = locs.encode(req["replica"])
     blk_ns = spaces.encode(full["namespace"], null=-1)
-    ev, groups = _events(kv_events, scenario, locs, spaces)
     group_idx = sorted(set(groups["group_idx"].to_list())) or [0]
     pool_loc = locs.index.get(POOL_LOCATION, -1)
     n_locs = max(len(locs.names), 1)
@@ -201,12 +222,16 @@ def block_outcomes(
     per_req = (req.join(counts, on="request_id", how="left", maintain_order="left")["len"]
                .fill_null(0).to_numpy())
     req_off = np.concatenate([[0], np.cumsum(per_req)]).astype(np.int64)
-    out, holder, rem_ts, rem_loc, other_ns, cut, groups_served, source = replay_core(
-        ev["ev_ts"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"], ev["ev_c"],
-        ev["ev_ns"], ev["ev_left"], req["lookup_ns"].to_numpy().astype(np.int64), req_loc,
+    # The core compares look-up times with event times: handing it stream places for both
+    # makes each look-up see exactly the events before its admission (analyzers/admission.py).
+    places = np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
+    out, holder, rem_place, rem_loc, other_ns, cut, groups_served, source = replay_core(
+        places, ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"], ev["ev_c"],
+        ev["ev_ns"], ev["ev_left"], req["cut"].to_numpy().astype(np.int64), req_loc,
         req["tail"].to_numpy().astype(np.bool_), req["block_size"].to_numpy().astype(np.int64), req_off,
         _u64_as_i64(full["block_hash"]), _u64_as_i64(full["content_hash"]), blk_ns,
         full["xfer"].to_numpy().astype(np.int8), n_locs, pool_loc, _windows(groups, n_locs, len(group_idx)))
+    rem_ts = np.where(rem_place >= 0, ev["ev_ts"][np.maximum(rem_place, 0)], -1) if len(places) else rem_place
     outcome_names = [o.value for o in OUTCOME_CODES]
     return pl.DataFrame({
         "scenario": [scenario] * len(full),

@@ -144,4 +144,6 @@ def test_a_replay_blind_to_the_groups_does_not_match(analyzed: tuple[Path, Path]
     per = request_ledger(block_outcomes=out, requests=con.table("requests"), scenario="capture")
     con.close()
     exact = int((per["hit_tokens"] == per["cached_tokens"]).sum())
-    assert (exact, int(per["hit_tokens"].sum())) == (159, 55_616)
+    # (159 and 55,616 with look-ups at their time; anchored at admission, analyzers/admission.py,
+    # the flattened stream reads as one group's and gives these, still far from the engine's.)
+    assert (exact, int(per["hit_tokens"].sum())) == (167, 53_568)

@@ -283,6 +283,29 @@ def test_queue_time_moves_the_lookup(tmp_path: Path) -> None:
     assert out.select("request_id", "outcome").rows() == [("early", "miss_cold"), ("late", "hit_local")]
 
 
+def test_a_request_admitted_in_the_same_step_hits_the_blocks_stored_before_it(tmp_path: Path) -> None:
+    # vLLM admits q then r in one step: q's allocation stores S1, Q2 (one BlockStored), r looks up
+    # after it (S1 hits), evicts X and stores its own R2 under parent S1; the step's batch is
+    # stamped at 5 s, after both arrived (analyzers/admission.py). By time alone r would miss S1.
+    s1, q2, r2, x = 301, 302, 303, 304
+    lake = tmp_path / "lake"
+    rows = [_ev(1, "A", 0, "stored", x), _ev(5, "A", 1, "stored", s1), _ev(5, "A", 1, "stored", q2),
+            _ev(5, "A", 1, "removed", x), _ev(5, "A", 1, "stored", r2)]
+    for row, parent in zip(rows, [None, None, s1, None, s1], strict=True):
+        row["parent_hash"] = parent
+    _write(lake, "step", "kv_events", rows)
+    _write(lake, "step", "requests", [_request("q", 4, "A", 2 * BLOCK + 1),
+                                      _request("r", 4.001, "A", 2 * BLOCK + 1)])
+    _write(lake, "step", "request_blocks", [*_blocks("q", 4, [s1, q2], tail=(H10, 1)),
+                                            *_blocks("r", 4.001, [s1, r2], tail=(H10, 1))])
+    con = duckdb.connect()
+    open_lake(con, lake)
+    out = _outcomes(con, "step")
+    con.close()
+    assert out.select("request_id", "outcome").rows() == [
+        ("q", "miss_cold"), ("q", "miss_cold"), ("r", "hit_local"), ("r", "miss_cold")]
+
+
 # -- the replay core against the oracle (property tests) --------------------------------------
 
 _HASHES = [1, 2, 3, 2**62 + 1, -(2**62)]  # an int64 view of a hash above 2**63 is negative

@@ -1,0 +1,147 @@
+"""Analyzers: each request's look-up moment as a place in the KV-event stream (the engine's admission).
+
+vLLM consults its prefix cache when its scheduler admits a request, not when the request
+arrives, and it stores a request's blocks at that same admission, before the step computes
+them (vllm/v1/core/sched/scheduler.py::Scheduler.schedule: for each waiting request in turn,
+``kv_cache_manager.get_computed_blocks`` is the look-up and ``kv_cache_manager.allocate_slots``
+then caches the new full blocks, kv_cache_manager.py::KVCacheManager.allocate_slots ->
+``coordinator.cache_blocks`` -> block_pool.py::BlockPool.cache_full_blocks, which emits one
+``BlockStored`` with the blocks past the hit and ``parent_block_hash`` the last hit block). The
+step's events are published as one batch only after the step ran
+(Scheduler.update_from_output: ``KVEventBatch(ts=time.time(), ...)``). So a request admitted in
+a step sees the blocks that requests admitted before it in the same step stored (their batch
+is stamped after its look-up), and misses the ones they evicted: a look-up time compared with
+batch stamps is wrong under concurrency in both directions.
+
+The engine's own moment is recoverable from the stream: it is just before the request's own
+``BlockStored`` rows: a run of stored rows on the request's replica, published after it
+arrived, that begins an event at one of its blocks ``j`` with its block ``j - 1`` as parent
+(none for block 0) and continues with its blocks ``j + 1, ...`` without turning into another
+prompt (a stored row continuing the chain with a block that is not the request's next). Each
+event is one request's allocation, so a run is claimed once: by the first request, in look-up
+time order, whose run it can be. The run must be stamped after the request's look-up time (a
+batch published after the step that admitted it) and not lie across the shared pool's events;
+the simulators' requests keep the time rule, which their streams are stamped to agree with. A
+request that stores none of its prompt blocks at admission (every full block hit, a partial
+tail left) has no such run: its look-up stays at its time (arrival plus queue time), as before;
+so does every request of a hybrid model's replica (several KV cache groups, each publishing its
+own runs, a sliding window's with gaps), which this rule does not cover yet.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+import polars as pl
+
+__all__ = ["admission_cuts"]
+
+_STORED = 0
+# Stores of one block after a request's arrival looked at per block: a block is stored again only
+# after an eviction, so the request's own run is among the first few; the bound keeps a hot block
+# (a system prompt re-stored all day) from making the search quadratic.
+_CANDIDATES = 8
+# The simulators' requests (analyzers/sim_vllm.py, sim_lru.py) carry their look-up as their time
+# and their events are stamped to agree: the time rule is theirs by construction.
+SIMULATED = "sim"
+
+
+def _stored_index(ev_kind: np.ndarray, ev_loc: np.ndarray,
+                  ev_h: np.ndarray) -> dict[tuple[int, int], list[int]]:
+    """Stored rows by (location, block hash), in stream order."""
+    index: dict[tuple[int, int], list[int]] = {}
+    for e in np.flatnonzero(ev_kind == _STORED).tolist():
+        index.setdefault((int(ev_loc[e]), int(ev_h[e])), []).append(e)
+    return index
+
+
+def _continues(ev: dict[str, np.ndarray], e: int, prev: int) -> bool:
+    """Row ``e`` is a stored row of the same event as row ``prev``: same replica and chain, and the
+    same batch (a simulator that numbers each event on its own stamps one request's at one time)."""
+    return (e < ev["ev_kind"].shape[0] and ev["ev_kind"][e] == _STORED
+            and ev["ev_loc"][e] == ev["ev_loc"][prev] and ev["ev_parent"][e] == ev["ev_h"][prev]
+            and (ev["ev_seq"][e] == ev["ev_seq"][prev] or ev["ev_ts"][e] == ev["ev_ts"][prev]))
+
+
+def _own_run(ev: dict[str, np.ndarray], e: int, chain: list[int], j: int) -> bool:
+    """Rows from ``e`` store ``chain[j:]`` (or its prefix, where the event ends) as one event."""
+    parent = chain[j - 1] if j > 0 else 0
+    if ev["ev_parent"][e] != parent or (e > 0 and _continues(ev, e, e - 1)):
+        return False
+    k, row = j, e
+    while True:
+        nxt = row + 1
+        if not _continues(ev, nxt, row):
+            return True  # the event ends: the request's chunk (or its prompt) ended here
+        if k + 1 >= len(chain) or ev["ev_h"][nxt] != chain[k + 1]:
+            return False  # the chain goes on with a block of another prompt
+        k, row = k + 1, nxt
+
+
+def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
+         after: int, claimed: set[int]) -> int:
+    """The first unclaimed own run's row at or after stream index ``after``; -1 when there is none."""
+    best = -1
+    for j, h in enumerate(chain):
+        rows = index.get((loc, h), ())
+        first = bisect.bisect_left(rows, after)
+        for e in rows[first:first + _CANDIDATES]:
+            if best >= 0 and e >= best:
+                break
+            if e not in claimed and _own_run(ev, e, chain, j):
+                best = e
+                break
+    return best
+
+
+def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
+    """Events between stream places ``a`` and ``b`` include the shared pool's."""
+    lo, hi = min(a, b), max(a, b)
+    return shared >= 0 and bool((ev_loc[lo:hi] == shared).any())
+
+
+def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
+                   req_loc: np.ndarray, shared: int = -1) -> np.ndarray:
+    """Per request (``req``'s order): how many events of the sorted stream its look-up sees.
+
+    ``ev`` holds the replay's sorted event arrays plus ``ev_seq`` (the batch) and ``ev_parent``
+    (the row's parent hash, 0 for none), hashes as signed 64-bit. ``req`` has ``request_id``,
+    ``arrival_ns`` and ``lookup_ns``; ``full`` the needed full blocks (``request_id``,
+    ``position``, ``block_hash_i64``). A request without its own run gets the events stamped
+    strictly before its look-up time, the replay's rule for one request at a time; so does one
+    whose own run lies across events of the shared pool (location ``shared``), whose stores
+    another replica's scheduler made: the rule orders one engine's admissions only.
+    """
+    ts = ev["ev_ts"]
+    look = req["lookup_ns"].to_numpy()
+    by_time = np.searchsorted(ts, look, side="left")
+    index = _stored_index(ev["ev_kind"], ev["ev_loc"], ev["ev_h"])
+    # A hybrid model's groups each publish their own runs (a sliding window's with gaps): only a
+    # location with one KV cache group is anchored; the others keep the time rule.
+    pairs = np.unique(np.stack([ev["ev_loc"], ev["ev_grp"]]), axis=1) if ts.shape[0] else np.zeros((2, 0))
+    locs, per_loc = np.unique(pairs[0], return_counts=True)
+    single = {int(loc) for loc, n in zip(locs.tolist(), per_loc.tolist(), strict=True) if n == 1}
+    chains = dict(full.sort("request_id", "position").group_by("request_id", maintain_order=True)
+                  .agg(pl.col("block_hash_i64")).iter_rows())
+    # The batch of the admitting step is stamped after the request arrived.
+    after = np.searchsorted(ts, req["arrival_ns"].to_numpy(), side="right")
+    cuts = by_time.astype(np.int64)
+    # One BlockStored event comes from one request's allocation: in look-up-time order, each
+    # request takes the first run no request before it took.
+    claimed: set[int] = set()
+    simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy() if "source" in req.columns \
+        else np.zeros(req.height, np.bool_)
+    for i in np.argsort(req["lookup_ns"].to_numpy(), kind="stable").tolist():
+        chain = chains.get(req["request_id"][i])
+        if chain and int(req_loc[i]) in single and not simulated[i]:
+            own = _cut(ev, index, int(req_loc[i]), chain, int(after[i]), claimed)
+            if own < 0:
+                continue
+            claimed.add(own)
+            # Only a run published after the look-up time is a step's batch the engine stamped
+            # after admitting (a simulator stamps a request's stores at its look-up: the time
+            # rule is already exact there).
+            if ts[own] > look[i] and not _crosses(ev["ev_loc"], int(by_time[i]), own, shared):
+                cuts[i] = own
+    return cuts
