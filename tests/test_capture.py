@@ -12,13 +12,13 @@ hit tokens must equal the engine's own `cached_tokens`.
 from __future__ import annotations
 
 import http.server
-import json
 import re
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from capture_lines import gateway_lines
 from click.testing import CliRunner
 
 from kvlens.cli import cli
@@ -26,20 +26,6 @@ from kvlens.query import query
 
 CAPTURE = Path(__file__).parent / "data" / "vllm-cpu-capture"
 
-
-def _gateway_lines(out: Path) -> Path:
-    with open(CAPTURE / "client.jsonl") as src, open(out, "w") as dst:
-        for line in src:
-            r = json.loads(line)
-            usage = r["usage"]
-            dst.write(json.dumps({
-                "request_id": r["request_id"], "arrival_s": r["arrival_unix"], "replica": "replica-a",
-                "model": "tiny", "session_id": r["session"], "prompt_tokens": usage["prompt_tokens"],
-                "output_tokens": usage["completion_tokens"],
-                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                "token_ids": r["prompt_token_ids"], "block_size": 32, "hash_algo": "sha256_cbor",
-                "hash_seed": "0"}) + "\n")
-    return out
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):
@@ -73,7 +59,7 @@ def analysis_db(tmp_path_factory: pytest.TempPathFactory, metrics_url: str) -> P
     runner = CliRunner()
     steps = [
         ["import", "vllm-events", str(CAPTURE / "kv_events.frames.jsonl"), "--scenario", "capture"],
-        ["import", "gateway", str(_gateway_lines(tmp / "gateway.jsonl")), "--scenario", "capture"],
+        ["import", "gateway", str(gateway_lines(CAPTURE, tmp / "gateway.jsonl")), "--scenario", "capture"],
         ["import", "otlp", str(CAPTURE / "otlp_000.pb"), str(CAPTURE / "otlp_001.pb"),
          "--scenario", "capture-spans"],
         ["collect", "scrape", "--url", metrics_url, "--replica", "replica-a", "--interval", "0.2",

@@ -10,11 +10,11 @@ of the 360 requests, kvlens's hit tokens must equal the engine's own ``cached_to
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
 import pytest
+from capture_lines import gateway_lines
 from click.testing import CliRunner
 
 from kvlens.cli import cli
@@ -22,20 +22,6 @@ from kvlens.query import query
 
 CAPTURE = Path(__file__).parent / "data" / "vllm-concurrent-capture"
 
-
-def _gateway_lines(out: Path) -> Path:
-    with open(CAPTURE / "client.jsonl") as src, open(out, "w") as dst:
-        for line in src:
-            r = json.loads(line)
-            usage = r["usage"]
-            dst.write(json.dumps({
-                "request_id": r["request_id"], "arrival_s": r["arrival_unix"], "replica": "replica-a",
-                "model": "tiny", "session_id": r["session"], "prompt_tokens": usage["prompt_tokens"],
-                "output_tokens": usage["completion_tokens"],
-                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                "token_ids": r["prompt_token_ids"], "block_size": 32, "hash_algo": "sha256_cbor",
-                "hash_seed": "0"}) + "\n")
-    return out
 
 
 @pytest.fixture(scope="module", params=["arrival", "spans"])
@@ -46,7 +32,8 @@ def analysis_db(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     lake, db = tmp / "lake", tmp / "kvlens.duckdb"
     runner = CliRunner()
     steps = [["import", "vllm-events", str(CAPTURE / "kv_events.frames.jsonl"), "--scenario", "capture"],
-             ["import", "gateway", str(_gateway_lines(tmp / "gateway.jsonl")), "--scenario", "capture"],
+             ["import", "gateway", str(gateway_lines(CAPTURE, tmp / "gateway.jsonl")),
+              "--scenario", "capture"],
              ["import", "otlp", *map(str, sorted(CAPTURE.glob("otlp_*.pb"))), "--scenario", "capture-spans"]]
     for args in steps:
         result = runner.invoke(cli, [*args, "--lake", str(lake)])

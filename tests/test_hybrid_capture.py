@@ -11,7 +11,6 @@ ignores the groups must not.
 from __future__ import annotations
 
 import http.server
-import json
 import re
 import threading
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from capture_lines import gateway_lines
 from click.testing import CliRunner
 
 from kvlens.analyzers import block_outcomes, request_ledger
@@ -29,20 +29,6 @@ from kvlens.query import query
 CAPTURE = Path(__file__).parent / "data" / "vllm-cpu-hybrid-capture"
 ENGINE_HITS = 46_368  # vllm:prefix_cache_hits_total in metrics.txt
 
-
-def _gateway_lines(out: Path) -> Path:
-    with open(CAPTURE / "client.jsonl") as src, open(out, "w") as dst:
-        for line in src:
-            r = json.loads(line)
-            usage = r["usage"]
-            dst.write(json.dumps({
-                "request_id": r["request_id"], "arrival_s": r["arrival_unix"], "replica": "replica-a",
-                "model": "tiny-gemma2", "session_id": r["session"], "prompt_tokens": usage["prompt_tokens"],
-                "output_tokens": usage["completion_tokens"],
-                "cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
-                "token_ids": r["prompt_token_ids"], "block_size": 32, "hash_algo": "sha256_cbor",
-                "hash_seed": "0"}) + "\n")
-    return out
 
 
 class _Metrics(http.server.BaseHTTPRequestHandler):
@@ -76,7 +62,8 @@ def analyzed(tmp_path_factory: pytest.TempPathFactory, metrics_url: str) -> tupl
     runner = CliRunner()
     steps = [
         ["import", "vllm-events", str(CAPTURE / "kv_events.frames.jsonl"), "--scenario", "capture"],
-        ["import", "gateway", str(_gateway_lines(tmp / "gateway.jsonl")), "--scenario", "capture"],
+        ["import", "gateway", str(gateway_lines(CAPTURE, tmp / "gateway.jsonl", "tiny-gemma2")),
+         "--scenario", "capture"],
         ["collect", "scrape", "--url", metrics_url, "--replica", "replica-a", "--interval", "0.2",
          "--duration", "0.5", "--scenario", "capture-metrics"],
     ]
