@@ -63,10 +63,11 @@ from typing import IO, Any
 import pyarrow as pa
 import zmq
 
+from kvlens.collector.capture import capture_line
 from kvlens.collector.live_metrics import CollectorMetrics
 from kvlens.collector.live_sequence import GAP_METRIC, SequenceTracker
 from kvlens.collector.quarantine import spill_rows
-from kvlens.collector.vllm_events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder, KvColumns, capture_line
+from kvlens.collector.vllm_events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder, KvColumns
 from kvlens.errors import ConfigError
 from kvlens.lake import SegmentWriter, latest_checkpoint
 

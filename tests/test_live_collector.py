@@ -31,8 +31,8 @@ from engine_frames import (
     signed,
 )
 
+from kvlens.collector.capture import import_capture
 from kvlens.collector.live import GAP_METRIC, CollectorOptions, LiveCollector, Source, writer_id_for
-from kvlens.collector.vllm_events import import_capture
 from kvlens.config import load_config
 from kvlens.errors import ConfigError
 from kvlens.lake import latest_checkpoint
