@@ -18,13 +18,18 @@ from kvlens.models import get_model
 from kvlens.sample_data.demo import DEMO_MODEL, SAMPLE_TRACE
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, RoutingPolicy
 
-__all__ = ["FLEET", "assert_same_db", "cut", "source_lake", "time_bounds"]
+__all__ = ["FLEET", "assert_same_db", "cut", "row_bounds", "source_lake", "time_bounds"]
 
 # Two replicas whose caches are small beside the slice's working set (evictions, routing misses)
 # and a shared pool (transfers, remote hits): most analyses have rows to compare.
 FLEET = SimConfig(routing=RoutingPolicy.ROUND_ROBIN, replicas=2, capacity_tokens=200_000, pool_tokens=600_000)
 SCENARIOS_SQL = "SELECT DISTINCT scenario FROM requests ORDER BY 1"
 TIME_RANGE_SQL = "SELECT min(arrival_ns), max(arrival_ns) FROM requests"
+ROW_QUANTILES_SQL = """
+SELECT quantile_disc(t, ?::DOUBLE[]) FROM (
+    SELECT arrival_ns AS t FROM requests UNION ALL SELECT arrival_ns FROM request_blocks
+    UNION ALL SELECT ts_ns FROM kv_events UNION ALL SELECT ts_ns FROM transfers)
+"""
 # Columns that differ between two analyses of the same data by design: the wall clock of the analysis.
 _UNSTABLE = {("scenarios", "analyzed_ns")}
 
@@ -62,6 +67,19 @@ def time_bounds(lake: Path, parts: int) -> list[int]:
         con.close()
     step = (hi - lo) / parts
     return [lo + round(step * i) for i in range(parts)] + [2**62]
+
+
+def row_bounds(lake: Path, parts: int) -> list[int]:
+    """``parts + 1`` cut times splitting the lake's timed rows (request arrivals and KV events)
+    into ``parts`` slices of about as many rows each; the last is past every row of the lake."""
+    con = duckdb.connect()
+    try:
+        open_lake(con, lake)
+        cuts = [i / parts for i in range(1, parts)]
+        ((qs,),) = con.execute(ROW_QUANTILES_SQL, [cuts]).fetchall()
+    finally:
+        con.close()
+    return [-(2**62)] + [int(q) for q in qs] + [2**62]
 
 
 def cut(source: Path, dest: Path, lo: int | None, hi: int, *, writer: str,
