@@ -6,6 +6,9 @@ from __future__ import annotations
 import itertools
 import logging
 import shutil
+import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from kvlens.analyzers.analyze import AnalyzeResult, analyze_lake
 from kvlens.analyzers.incremental import STATE_TABLE
 from kvlens.cli import cli
 from kvlens.lake import open_lake
+from kvlens.models import get_model
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +99,6 @@ def test_a_late_segment_falls_back_to_a_full_rebuild(source: Path, tmp_path: Pat
 
 
 def test_a_changed_model_or_gone_segment_rebuilds(tiny: Path, tmp_path: Path) -> None:
-    from kvlens.models import get_model
-
     lake, db = tmp_path / "lake", tmp_path / "incr.duckdb"
     shutil.copytree(tiny, lake)
     analyze_lake(lake, db)
@@ -185,3 +187,45 @@ def _span(lake: Path) -> tuple[int, int]:
     finally:
         con.close()
     return first, int(last)
+
+
+# A child that analyzes the lake and, when its second scenario starts, says so on stdout and waits
+# on stdin (for ever, unless killed): the parent kills it there with SIGKILL.
+_STALLS = """
+import sys
+import kvlens.analyzers as analyzers
+from kvlens.analyzers.analyze import analyze_lake
+real, seen = analyzers.analyze_scenario, []
+def stalls(con, scenario, *a, **kw):
+    seen.append(scenario)
+    if len(seen) == 2:
+        print("analyzing", flush=True)
+        sys.stdin.read()
+    yield from real(con, scenario, *a, **kw)
+analyzers.analyze_scenario = stalls
+analyze_lake(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_killed_analysis_leaves_the_previous_db_and_the_next_completes(tiny: Path, tmp_path: Path) -> None:
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(tiny, 2)
+    cut(tiny, lake, None, bounds[1], writer="inc0")
+    analyze_lake(lake, db)
+    before = _state(db)
+    cut(tiny, lake, bounds[1], bounds[2], writer="inc1")
+    with subprocess.Popen([sys.executable, "-c", _STALLS, str(lake), str(db)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as child:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "analyzing"
+        assert any(p.name.startswith(".incr.duckdb.") for p in tmp_path.iterdir())  # mid-build
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        child.stdin.close()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    assert _state(db) == before  # the previous DB, readable, with its own state
+    assert set(_modes(analyze_lake(lake, db)).values()) == {"appended"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["incr.duckdb", "lake"]  # leftovers removed
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
