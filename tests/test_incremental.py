@@ -110,6 +110,13 @@ def test_a_changed_model_or_gone_segment_rebuilds(tiny: Path, tmp_path: Path) ->
     result = analyze_lake(lake, db, model=get_model("llama-3.1-8b"))
     assert dict((s, why) for s, _, why in result.modes)["rr2"].endswith(str(segment.relative_to(lake)))
     assert _modes(result) == {"conv": "carried", "rr2": "full"}
+    con = duckdb.connect(str(db))
+    try:
+        con.execute(f"DROP TABLE {STATE_TABLE}")  # as a DB written before incremental analysis
+    finally:
+        con.close()
+    result = analyze_lake(lake, db, model=get_model("llama-3.1-8b"))
+    assert set(result.modes) == {(s, "full", "previous analysis DB has no state") for s in ("conv", "rr2")}
 
 
 def test_a_failed_analysis_leaves_the_previous_db_and_state(tiny: Path, tmp_path: Path,
