@@ -84,8 +84,7 @@ INSERT_STATE_SQL = f"INSERT INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?)"
 PREVIOUS_STATE_SQL = f"SELECT scenario, config, segments, watermark_ns FROM {PREVIOUS}.{STATE_TABLE}"
 PREVIOUS_VERSION_SQL = f"SELECT value FROM {PREVIOUS}.kvlens_meta WHERE key = 'schema_version'"
 _GLOBAL_TABLES = ("probe_runs",)  # read whole by every scenario (analyzers/costs.py)
-_CODE_ROOTS = ("analyzers",)
-_CODE_FILES = ("models.py", "schema.py", "analysis_db.py")
+_CODE_FILES = ("models.py", "schema.py", "analysis_db.py", "lake.py", "query.py")  # what analyzers import
 
 
 @dataclass(frozen=True)
