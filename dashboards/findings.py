@@ -12,6 +12,7 @@ from typing import Any
 
 import duckdb
 
+from kvlens.dashboards.formatting import fmt_bytes, fmt_ms, fmt_pct
 from kvlens.dashboards.provenance import Origin, origins, tagged
 from kvlens.dashboards.report_data import Window, has_rows, rows
 from kvlens.schema import HIT_OUTCOMES_SQL
@@ -30,29 +31,6 @@ CAUSES = {
 }
 _ACTIONABLE = tuple(c for c in CAUSES if c != "miss_cold")
 _IN_WINDOW = "list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end"
-
-
-def fmt_pct(ratio: float | None) -> str:
-    return "n/a" if ratio is None else f"{ratio:.1%}"
-
-
-def fmt_ms(ms: float | None) -> str:
-    """Seconds from one second up, milliseconds below."""
-    if ms is None:
-        return "n/a"
-    return f"{ms / 1e3:,.2f} s" if abs(ms) >= 1000 else f"{ms:.1f} ms"
-
-
-def fmt_bytes(n: float | None, digits: int = 2) -> str:
-    """A byte count in binary units (the report's sentences and the dashboard's metrics)."""
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.{digits}f} {unit}"
-        value /= 1024
-    return f"{value:,.{digits}f} PiB"
 
 
 WORST_REPLICA_SQL = f"""

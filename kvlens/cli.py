@@ -671,10 +671,15 @@ def _smtp_settings(smtp: str, starttls: bool, user: str | None, password_env: st
 @click.option("--from", "sender", default=None, help="Sender address (default: kvlens@localhost).")
 @click.option("--subject", default=None, help="Subject (default: 'kvlens report, <window end>').")
 @click.option("--config", default=None, type=click.Path(dir_okay=False),
-              help="kvlens.toml whose [smtp] table gives what the email flags do not.")
+              help="kvlens.toml whose [smtp] table gives what the email flags do not ([costs]: the price).")
+@click.option("--gpu-hour-price", type=click.FloatRange(min=0), default=None, metavar="USD",
+              help="Price of one GPU-hour, to put avoidable recompute in money (else [costs] gpu_hour_usd).")
+@click.option("--production", default=None, metavar="SCENARIO",
+              help="Scenario the first screen is about (default: the measured one with the most tokens).")
 def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[str, ...],
                email_to: str | None, smtp: str | None, starttls: bool | None, user: str | None,
-               password_env: str | None, sender: str | None, subject: str | None, config: str | None) -> None:
+               password_env: str | None, sender: str | None, subject: str | None, config: str | None,
+               gpu_hour_price: float | None, production: str | None) -> None:
     """Write the report (headline ratios, ledger chart, findings, change) as HTML; optionally email it.
 
     Example: kvlens report --db kvlens.duckdb --out report.html --email-to ops@example.com --smtp mail:25
@@ -683,7 +688,10 @@ def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[
     from kvlens.dashboards.report import build_report, parse_duration_ns, save_html
     from kvlens.errors import ConfigError
 
-    file = load_config(config).smtp if config else None
+    loaded = load_config(config) if config else None
+    file = loaded.smtp if loaded else None
+    if gpu_hour_price is None and loaded is not None:
+        gpu_hour_price = loaded.gpu_hour_usd
     if file is not None:  # flags override the file, field by field
         smtp = smtp or file.server
         email_to = email_to or (",".join(file.to) if file.to else None)
@@ -697,7 +705,8 @@ def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[
                           "[smtp]): give both to send the report, or neither")
     settings = _smtp_settings(smtp, bool(starttls), user, password_env) if smtp else None
     report = build_report(db, since_ns=parse_duration_ns(since), now_ns=_parse_now(now),
-                          scenarios=list(scenarios) or None)
+                          scenarios=list(scenarios) or None, usd_per_gpu_hour=gpu_hour_price,
+                          production=production)
     path = save_html(report, out)
     click.echo(f"report written: {path} ({path.stat().st_size / 1024:,.0f} KiB, {len(report.charts)} charts)")
     if settings is not None and email_to is not None:
