@@ -52,7 +52,7 @@ QUALIFY row_number() OVER (PARTITION BY scenario ORDER BY created_ns DESC) = 1
 """
 
 _ROUTING_WORDS = {
-    "cache_aware": "route by prefix (to the replica holding the longest cached prefix)",
+    "cache_aware": "route by prefix (cache-aware)",
     "prefix_hash": "route by prefix hash",
     "session_affinity": "keep each session on one replica",
     "round_robin": "route round robin",
@@ -118,8 +118,8 @@ def _what_if_actions(con: duckdb.DuckDBPyConnection, scenario: str, what_ifs: li
             effect += f", TTFT P99 {'-' if p99_w < p99_p else '+'}{fmt_ms(abs(p99_w - p99_p))}"
         title = _what_if_title(name, sims.get(scenario), sims.get(name))
         out.append(Action(title[:1].upper() + title[1:], effect,
-                          f"modelled, what-if {name}, on the {n:,} requests both ran", "What-ifs", "whatif",
-                          gain, hours, name))
+                          f"modelled, what-if {name}, on the {n:,} requests both ran",
+                          "Every scenario, Ledger by outcome", "whatif", gain, hours, name))
     return out
 
 
@@ -143,8 +143,8 @@ def _prefix_action(con: duckdb.DuckDBPyConnection, scenario: str, price: Price) 
         out.append(Action(f"{what}: prefix 0x…{h & 0xFFFF:04x} ({fmt_int(tokens)} tokens)",
                           f"{fmt_ms(ms)} of prefill saved over the whole scenario ({reuses:,} re-accesses on "
                           f"{reps:,} replicas), {label}",
-                          "no what-if run: predicted by the prefix ranking's cost model", "Prefixes",
-                          "prefixes", float(saved), hours))
+                          "no what-if run: predicted by the prefix ranking's cost model",
+                          "Prefixes worth publishing", "prefixes", float(saved), hours))
     return out
 
 
@@ -169,7 +169,7 @@ def _capacity_action(con: duckdb.DuckDBPyConnection, scenario: str, full_tokens:
             effect += f", -{price.amount(gain * per_day)}/day"
         out.append(Action("Double the KV cache", effect,
                           "no what-if run: modelled by the miss-ratio curve (one shared LRU of full blocks)",
-                          "Capacity", "capacity", gain, hours))
+                          "Capacity (in Top findings)", "capacity", gain, hours))
     return out
 
 
@@ -191,8 +191,8 @@ def _hygiene_action(con: duckdb.DuckDBPyConnection, scenario: str, window: Windo
         if hours is not None:
             effect += f", -{price.amount(lost * per_day)}/day"
         out.append(Action("Move the dynamic part of prompts to their end", effect,
-                          "no what-if run: measured by the hygiene check on the recorded prompts", "Hygiene",
-                          "hygiene", float(lost), hours))
+                          "no what-if run: measured by the hygiene check on the recorded prompts",
+                          "Top findings", "hygiene", float(lost), hours))
     return out
 
 

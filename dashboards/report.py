@@ -23,7 +23,7 @@ import polars as pl
 
 from kvlens.dashboards import charts, queries
 from kvlens.dashboards.decisions import Decisions, decide, pick_production
-from kvlens.dashboards.findings import findings
+from kvlens.dashboards.findings import ranked_findings
 from kvlens.dashboards.formatting import fmt_ms, fmt_pct
 from kvlens.dashboards.provenance import Origin, bytes_sentence, origins, tagged
 from kvlens.dashboards.report_data import (
@@ -124,7 +124,7 @@ def _headline_section(heads: dict[str, Headline], groups: Groups, quiet: list[st
     note = bytes_sentence({n: found[n] for n in heads})
     if note:
         said.append(note)
-    return Section("Headline", paragraphs=said, tables=[Table(
+    return Section("Every scenario (what-ifs named as such)", paragraphs=said, tables=[Table(
         ("scenario", "figures", "requests", "prompt tokens", "token hit ratio", "byte hit ratio", "TTFT P50",
          "TTFT P99"), body)])
 
@@ -135,8 +135,8 @@ def _ledger_section(con: duckdb.DuckDBPyConnection, groups: Groups, heads: dict[
     if not found:
         return None
     frame = pl.DataFrame([{"scenario": r.scenario, "outcome": r.outcome, "tokens": r.tokens} for r in found])
-    chart = _png(charts.ledger_share_chart(frame, title="Share of needed tokens by outcome"), "ledger",
-                 "Ledger by outcome")
+    chart = _png(charts.ledger_share_chart(frame, title="Which outcome did the prompt tokens get?"),
+                 "ledger", "Ledger by outcome")
     outcomes = [o for o in charts.OUTCOME_COLORS if any(r.outcome == o for r in found)]
     by = {(r.scenario, r.outcome): r.tokens for r in found}
     body = tuple((o, *(fmt_pct(by.get((s, o), 0) / heads[s].prompt_tokens)
@@ -217,7 +217,7 @@ def _trend_chart(con: duckdb.DuckDBPyConnection, names: list[str], window: Windo
     data = pl.concat(frames) if frames else pl.DataFrame()
     if data.is_empty():
         return None
-    title = f"Token hit ratio over time{who}"
+    title = f"How did the token hit ratio move over the window{who}?"
     return _png(charts.hit_ratio_trend_chart(data, title=title).encode(color="scenario:N"), cid, title)
 
 
@@ -235,7 +235,8 @@ def _latency_section(con: duckdb.DuckDBPyConnection, names: list[str],
         return None
     frame = pl.DataFrame([{"scenario": s, "percentile": q, "ttft_ms": v} for s, _, p50, p95, p99, _ in found
                           for q, v in (("p50", p50), ("p95", p95), ("p99", p99))])
-    chart = _png(charts.tails_side_by_side_chart(frame), "tails", "TTFT percentiles per scenario")
+    chart = _png(charts.tails_side_by_side_chart(frame, title="How long to the first token, per scenario?"),
+                 "tails", "TTFT percentiles per scenario")
     body = tuple((s, f"{n:,}", *(origin[s].ttft(fmt_ms(v)) for v in (p50, p95, p99)),
                   "n/a" if r is None else origin[s].ttft(f"{r:.1f}x")) for s, n, p50, p95, p99, r in found)
     said = [f"TTFT of {', '.join(s for s, *_ in found if origin[s].ttft_label == label)} is {label}."
@@ -284,8 +285,8 @@ def _crossover_section(con: duckdb.DuckDBPyConnection, names: list[str]) -> Sect
     points |= {(t, f"load {path}", lms, ll) for _, _, path, t, _, _, lms, ll, _ in mine}
     frame = pl.DataFrame(sorted(points, key=lambda r: (r[1], r[0])),
                          schema=["prefix_tokens", "series", "ms", "label"], orient="row")
-    chart = _png(charts.crossover_chart(frame, title=f"Load against recompute, {device} ({model})"),
-                 "crossover", "Load against recompute")
+    question = f"From what prefix length does loading beat recompute ({device})?"
+    chart = _png(charts.crossover_chart(frame, title=question), "crossover", "Load against recompute")
     body = []
     for d, m, path in dict.fromkeys((r[0], r[1], r[2]) for r in found):
         cells = [r for r in found if (r[0], r[1], r[2]) == (d, m, path)]
@@ -330,9 +331,12 @@ def _sections(con: duckdb.DuckDBPyConnection, groups: Groups, usd_per_gpu_hour: 
     decided = _decisions(con, groups, heads, found, usd_per_gpu_hour, production)
     out = [] if decided is None else [s for s in (attribution_section(decided.attribution),
                                                  worth_section(decided)) if s is not None]
-    ranked = [f for w, n in groups for f in findings(con, n, w)]
-    out.append(Section(f"Top findings ({min(len(ranked), TOP_FINDINGS)} of {len(ranked)})",
-                       bullets=ranked[:TOP_FINDINGS]))
+    found_all = sorted(((f, t) for w, n in groups for f, t in ranked_findings(con, n, w)),
+                       key=lambda ft: (ft[1] is None, -(ft[1] or 0)))
+    ranked = [f for f, _ in found_all]
+    said = (f"The {TOP_FINDINGS} of {len(ranked)} findings that concern the most recomputed tokens (the rest "
+            "are under More findings, at the end)." if len(ranked) > TOP_FINDINGS else "")
+    out.append(Section("Top findings", paragraphs=[said] if said else [], bullets=ranked[:TOP_FINDINGS]))
     out.append(_headline_section(heads, groups, quiet, found))
     for optional in (_ledger_section(con, groups, heads, found), _trend_section(con, groups)):
         if optional is not None:

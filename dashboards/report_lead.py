@@ -13,12 +13,13 @@ from kvlens.dashboards.findings import CAUSES
 from kvlens.dashboards.formatting import fmt_gpu_hours, fmt_int, fmt_pct, fmt_points, fmt_usd
 from kvlens.dashboards.report_render import Lead, Section, Table
 
-__all__ = ["ATTRIBUTION_ROWS", "attribution_section", "lead", "worth_section"]
+__all__ = ["ATTRIBUTION_ROWS", "attribution_section", "change_sentence", "lead", "worth_section"]
 
 ATTRIBUTION_ROWS = 10  # parts listed by name; the rest are summed into one row
 
 
-def _change_sentence(d: Decisions) -> str:
+def change_sentence(d: Decisions) -> str:
+    """The change from the window before and its three largest causes, in one sentence."""
     if d.previous is None or d.previous.token_hit_ratio is None or d.current.token_hit_ratio is None:
         return "Change: nothing to compare (no requests with a hit ratio in the window before)."
     a = d.attribution
@@ -67,7 +68,7 @@ def lead(d: Decisions) -> Lead:
         title += f" (only {len(acts)} action{'s' if len(acts) != 1 else ''} with a gain found)"
     note = " ".join(x for x in (d.stand_in and d.stand_in[0].upper() + d.stand_in[1:] + ".",
                                 f"Price: {d.price.assumptions}.") if x)
-    return Lead(title, (("headline", headline), ("change", _change_sentence(d)), ("avoidable", avoidable)),
+    return Lead(title, (("headline", headline), ("change", change_sentence(d)), ("avoidable", avoidable)),
                 acts, note)
 
 

@@ -757,12 +757,15 @@ def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefix
               help="Port the dashboard serves on.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (0.0.0.0 serves every interface).")
-def dashboard_cmd(db: str, port: int, host: str) -> None:
+@click.option("--gpu-hour-price", type=click.FloatRange(min=0), default=None, metavar="USD",
+              help="Price of one GPU-hour: the overview puts avoidable recompute in money.")
+def dashboard_cmd(db: str, port: int, host: str, gpu_hour_price: float | None) -> None:
     """Serve the read-only Streamlit dashboard over an analysis DB.
 
     Example: kvlens dashboard --db kvlens-demo/kvlens.duckdb --port 8501
     """
     import importlib.util
+    import os
 
     from kvlens.analysis_db import check_duckdb_file
     from kvlens.errors import ConfigError
@@ -778,6 +781,8 @@ def dashboard_cmd(db: str, port: int, host: str) -> None:
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.headless=true",
            "--browser.gatherUsageStats=false", "--server.fileWatcherType=none", "--server.runOnSave=false",
            f"--server.port={port}", f"--server.address={host}", "--", "--db", str(path.resolve())]
+    if gpu_hour_price is not None:  # the child reads it (dashboards/views/decision.py)
+        os.environ["KVLENS_GPU_HOUR_USD"] = repr(gpu_hour_price)
     click.echo(f"kvlens dashboard on http://{host}:{port}/ (Ctrl-C stops it)", err=True)
     # Streamlit runs as a child that dies with this process: a SIGTERM, SIGINT or SIGHUP here is
     # passed on and waited for, and a SIGKILL here ends it too (kvlens/supervise.py).

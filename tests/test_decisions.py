@@ -146,3 +146,40 @@ def test_production_can_be_chosen_and_a_wrong_one_is_an_error(two_days: Path) ->
     assert "prod-cache (modelled): token hit ratio" in text
     with pytest.raises(ConfigError, match="--production"):
         build_report(two_days, now_ns=DAY1_NS + DAY_NS, production="nope")
+
+
+def _overview(db: str) -> None:
+    from kvlens.dashboards.app import run
+
+    run(db, only="overview")
+
+
+def test_the_dashboard_overview_leads_with_the_same_decision(two_days: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("streamlit", reason="the dashboard extra is not installed")
+    from streamlit.testing.v1 import AppTest
+
+    monkeypatch.setenv("KVLENS_GPU_HOUR_USD", "2.5")
+    at = AppTest.from_function(_overview, args=(str(two_days),), default_timeout=60).run()
+    assert not at.exception, at.exception
+    metrics = {m.label: (m.value, m.delta) for m in at.metric}
+    assert metrics["Token hit ratio, this window (measured)"] == ("30.8%", "-23.8 pts")
+    assert metrics["Avoidable recomputed tokens"][0] == "300"
+    assert "<$0.01" in metrics["Their worth (modelled)"][0]
+    text = [m.value for m in at.markdown]
+    first = text.index(next(t for t in text if t.startswith("Change from the window before")))
+    assert "-23.8 pts" in text[first]
+    act = next(t for t in text if t.startswith("1. **"))
+    assert "+46.2 pts of hit ratio" in act and act.endswith("[Evidence: What-if page](whatif)")
+    # The order of the report: the decision first, then the selected range's own figures.
+    assert [s.value for s in at.subheader][:2] == ["What happened, and what to do first", "The selected range"]
+
+
+def test_has_rows_leaves_no_result_open(con: duckdb.DuckDBPyConnection) -> None:
+    # A fetchone() left the EXISTS result open: the next relation on the connection then failed
+    # with "connection has an unfinished result" (the first screen reads through both APIs).
+    from kvlens.dashboards.queries import table_columns
+    from kvlens.dashboards.report_data import has_rows
+
+    assert has_rows(con, "block_outcomes") and not has_rows(con, "hygiene")
+    assert "provenance" in table_columns(con, "scenarios")

@@ -26,6 +26,7 @@ from kvlens.dashboards.queries import (
     scenario_span_ns,
     trend,
 )
+from kvlens.dashboards.views.decision import decision
 
 __all__ = ["misses", "overview"]
 
@@ -83,6 +84,8 @@ def overview(ctx: Context) -> None:
     if not has_rows(ctx, "miss_ledger"):
         no_rows(ctx, "miss_ledger")
         return
+    decision(ctx)  # the report's first screen, in its order; the whole selected range follows
+    st.subheader("The selected range")
     _headline(ctx)
     ledger = ledger_by_outcome(ctx.cur, ctx.window)
     show_chart(charts.ledger_chart(ledger))
