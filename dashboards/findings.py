@@ -7,7 +7,7 @@ absent or empty: a finding is never made up.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import duckdb
@@ -347,7 +347,7 @@ def _bytes_note(names: list[str], p: Context) -> str:
 
 
 # (table whose rows the finder needs, finder), in the order the report lists them.
-FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], list[Found]]], ...] = (
+FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], Sequence[Found]]], ...] = (
     ("block_outcomes", _ledger_findings),
     ("request_ledger", _compare_findings),
     ("block_outcomes", _cold_findings),

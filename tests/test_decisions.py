@@ -172,7 +172,8 @@ def test_the_dashboard_overview_leads_with_the_same_decision(two_days: Path,
     act = next(t for t in text if t.startswith("1. **"))
     assert "+46.2 pts of hit ratio" in act and act.endswith("[Evidence: What-if page](whatif)")
     # The order of the report: the decision first, then the selected range's own figures.
-    assert [s.value for s in at.subheader][:2] == ["What happened, and what to do first", "The selected range"]
+    heads = [s.value for s in at.subheader][:2]
+    assert heads == ["What happened, and what to do first", "The selected range"]
 
 
 def test_has_rows_leaves_no_result_open(con: duckdb.DuckDBPyConnection) -> None:
