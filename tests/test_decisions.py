@@ -184,3 +184,24 @@ def test_has_rows_leaves_no_result_open(con: duckdb.DuckDBPyConnection) -> None:
 
     assert has_rows(con, "block_outcomes") and not has_rows(con, "hygiene")
     assert "provenance" in table_columns(con, "scenarios")
+
+
+def test_the_dashboards_price_reaches_its_child(two_days: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from kvlens.dashboards import commands
+
+    seen: dict[str, object] = {}
+
+    def child(cmd: list[str], *, env: dict[str, str] | None = None, **_kw: object) -> int:
+        seen["env"] = env
+        return 0
+
+    monkeypatch.setattr(commands, "run_child", child)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    assert commands.run_dashboard(two_days, port=port, gpu_hour_price=3.25) == 0
+    env = seen["env"]
+    assert isinstance(env, dict) and env["KVLENS_GPU_HOUR_USD"] == "3.25"
+    assert commands.run_dashboard(two_days, port=port) == 0 and seen["env"] is None
