@@ -168,7 +168,8 @@ def _capacity_action(con: duckdb.DuckDBPyConnection, scenario: str, full_tokens:
         if hours is not None:
             effect += f", -{price.amount(gain * per_day)}/day"
         out.append(Action("Double the KV cache", effect,
-                          "no what-if run: modelled by the miss-ratio curve (one shared LRU of full blocks)",
+                          "no what-if run: modelled by the whole scenario's miss-ratio curve (one shared LRU "
+                          "of full blocks), applied to this window's full blocks",
                           "Capacity (in Top findings)", "capacity", gain, hours))
     return out
 
