@@ -206,8 +206,12 @@ def demo_cmd(workdir: str) -> None:
 @click.option("--metrics-from", default=None, metavar="SCENARIO",
               help="Scenario holding the engines' scraped metrics (e.g. live); default: each analyzed "
                    "scenario itself. Writes reconciliation: engine hit counters beside the ledger.")
+@click.option("--full", is_flag=True,
+              help="Rebuild every scenario from the lake; by default a scenario whose lake segments "
+                   "are unchanged is copied from the previous DB.")
 def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None, model_config: str | None,
-                cache_tokens: int | None, join: tuple[str, ...], metrics_from: str | None) -> None:
+                cache_tokens: int | None, join: tuple[str, ...], metrics_from: str | None,
+                full: bool) -> None:
     """Replay the lake into the analysis DB: block outcomes, the miss ledger, and more.
 
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
@@ -219,7 +223,9 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
                                  item_show_func=lambda s: s or "")
 
     result = analyze_lake(lake, db, scenarios, given_model(model, model_config), cache_tokens=cache_tokens,
-                          join=join, metrics_from=metrics_from, progress=bar)
+                          join=join, metrics_from=metrics_from, progress=bar, full=full)
+    for scenario, mode, why in result.modes:
+        click.echo(f"{scenario}: {mode} ({why})", err=True)
     click.echo(f"analysis DB written: {result.db}")
 
 
