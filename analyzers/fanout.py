@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import polars as pl
 
+from kvlens.schema import Outcome
+
 __all__ = ["fanout"]
 
 DEFAULT_WINDOW_NS = 15 * 60 * 1_000_000_000
@@ -29,7 +31,7 @@ def fanout(*, block_outcomes: pl.DataFrame, window_ns: int = DEFAULT_WINDOW_NS) 
     """
     if window_ns <= 0:
         raise ValueError(f"window_ns must be positive, got {window_ns}")
-    remote = pl.col("outcome").cast(pl.Utf8) == "hit_remote"
+    remote = pl.col("outcome").cast(pl.Utf8) == Outcome.HIT_REMOTE.value
     per_block = (block_outcomes
                  .with_columns(window_start_ns=(pl.col("arrival_ns") // window_ns) * window_ns,
                                replica=pl.col("replica").cast(pl.Utf8).fill_null(""))

@@ -33,7 +33,7 @@ from typing import Literal
 import duckdb
 import polars as pl
 
-from kvlens.schema import HIT_OUTCOMES, Medium
+from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
 
 __all__ = ["flows"]
 
@@ -114,7 +114,7 @@ def _reads(block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
                           replica=pl.col("replica").cast(pl.Utf8).fill_null(""))
             .join(lookup.unique("request_id"), on="request_id", how="left")
             .with_columns(pl.col("lookup_ns").fill_null(pl.col("arrival_ns"))))
-    remote = (hits.filter(pl.col("outcome") == "hit_remote")
+    remote = (hits.filter(pl.col("outcome") == Outcome.HIT_REMOTE.value)
               .join(_loads(transfers, scenario), on=["request_id", "block_hash"], how="left")
               .filter(pl.col("receiver").is_null() | (pl.col("receiver") == pl.col("replica")))
               .unique(["request_id", "block_hash", "position"], keep="first"))
@@ -124,8 +124,8 @@ def _reads(block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
         loc=pl.when(is_tier).then(pl.col("replica")).otherwise(origin), cls=_cls(origin),
         default_tier=pl.when(is_tier | (origin == Medium.POOL.value)).then(origin)
         .otherwise(pl.lit(Medium.GPU.value)))
-    offload = pl.col("outcome") == "hit_offload"
-    local = hits.filter(pl.col("outcome") != "hit_remote").with_columns(
+    offload = pl.col("outcome") == Outcome.HIT_OFFLOAD.value
+    local = hits.filter(pl.col("outcome") != Outcome.HIT_REMOTE.value).with_columns(
         loc=pl.col("replica"), cls=pl.when(offload).then(1).otherwise(0).cast(pl.Int8),
         default_tier=pl.when(offload).then(pl.lit(Medium.CPU.value)).otherwise(pl.lit(Medium.GPU.value)))
     cols = ["lookup_ns", "loc", "cls", "block_hash", "bytes", "default_tier"]

@@ -32,12 +32,14 @@ from typing import Any
 import polars as pl
 
 from kvlens.analyzers.costs import CostModel, LoadPath
+from kvlens.schema import Outcome
 
 __all__ = ["prefix_ranking"]
 
 TOP_N = 200
 
-_MISS_CAUSES = ("miss_routing", "miss_evicted", "hit_remote", "miss_load_failed")
+_MISS_CAUSES = tuple(o.value for o in (Outcome.MISS_ROUTING, Outcome.MISS_EVICTED, Outcome.HIT_REMOTE,
+                                        Outcome.MISS_LOAD_FAILED))
 
 PUBLISH, PIN, KEEP_LOCAL, DO_NOT = "publish to pool", "pin", "keep local", "do not publish"
 

@@ -10,24 +10,26 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
+from kvlens.schema import HIT_OUTCOMES_SQL, Outcome
+
 __all__ = ["request_ledger"]
 
 # Tail tokens are the prompt beyond its full blocks; the engine's cached_tokens sits beside.
-REQUEST_LEDGER_SQL = """
+REQUEST_LEDGER_SQL = f"""
 WITH per AS (
     SELECT request_id,
-           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) AS hit_tokens,
-           sum(tokens) FILTER (WHERE outcome = 'recomputed_last') AS recomputed_last_tokens,
+           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS hit_tokens,
+           sum(tokens) FILTER (WHERE outcome = '{Outcome.RECOMPUTED_LAST.value}') AS recomputed_last_tokens,
            sum(tokens) FILTER (WHERE outcome LIKE 'miss_%') AS miss_tokens,
            sum(tokens) FILTER (WHERE outcome = 'unobserved') AS unobserved_tokens,
            sum(tokens) FILTER (WHERE reusable) AS reusable_tokens,
-           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
                                AND origin = 'gpu') AS device_hit_tokens,
-           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
                                AND origin = 'cpu') AS host_hit_tokens,
-           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
                                AND origin = 'disk') AS disk_hit_tokens,
-           sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')
+           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
                                AND origin NOT IN ('gpu', 'cpu', 'disk')) AS remote_hit_tokens,
            sum(tokens) AS full_tokens,
            arg_max(outcome, tokens_by_outcome) FILTER (WHERE outcome LIKE 'miss_%') AS dominant_miss

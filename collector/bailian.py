@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlens.collector.importer import (
+from kvlens.collector.fields import (
     INT64_MAX,
     FieldError,
     Parsed,

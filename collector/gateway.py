@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from typing import Any, cast
 
-from kvlens.collector.importer import (
+from kvlens.collector.fields import (
     INT64_MAX,
     FieldError,
     Parsed,

@@ -39,6 +39,8 @@ import cbor2
 import numba
 import numpy as np
 
+from kvlens.errors import ConfigError
+
 __all__ = [
     "ALGOS",
     "DEFAULT_SEED",
@@ -75,7 +77,7 @@ def hash_function(algo: str) -> Callable[[Any], bytes]:
     try:
         return _FUNCTIONS[algo]
     except KeyError:
-        raise ValueError(f"unknown hash algorithm {algo!r}: choose one of {', '.join(ALGOS)}") from None
+        raise ConfigError(f"unknown hash algorithm {algo!r}: choose one of {', '.join(ALGOS)}") from None
 
 
 def none_hash(algo: str = "sha256", seed: str | None = None) -> bytes:
@@ -128,7 +130,7 @@ def vllm_block_hashes(
 ) -> list[BlockHash]:
     """The chained hashes vLLM computes for the full blocks of ``token_ids`` (tail ignored)."""
     if block_size < 1:
-        raise ValueError(f"block size must be >= 1, got {block_size}")
+        raise ConfigError(f"block size must be >= 1, got {block_size}: give the engine's --block-size")
     fn = hash_function(algo)
     parent = none_hash(algo, seed)
     out = []

@@ -1,7 +1,7 @@
 """collector's front door for ``kvlens import``: files of any of the seven formats into the lake, one result.
 
 The format registry lives here: the trace-line formats (``importer.py``: one request per line),
-the recorded engine frames (``vllm_events.import_capture``) and the OTLP trace files
+the recorded engine frames (``capture.import_capture``) and the OTLP trace files
 (``otlp.import_otlp``). The CLI's ``import`` choices and the demo call this module only.
 """
 
@@ -71,7 +71,7 @@ def _import(fmt: str, files: tuple[str, ...], lake: str | os.PathLike[str], scen
             model: str | None, skip_bad_lines: bool, t0_ns: int | None,
             on_progress: Callable[[int], None] | None) -> ImportResult:
     if fmt == "vllm-events":  # frames recorded by `kvlens collect vllm --record` -> kv_events
-        from kvlens.collector.vllm_events import import_capture
+        from kvlens.collector.capture import import_capture
 
         c = import_capture(files, lake, scenario=scenario, model=model)
         return ImportResult(fmt, scenario, files, kv_rows=c["rows"], batches=c["batches"],

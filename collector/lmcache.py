@@ -33,8 +33,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlens.collector.hashing import fold_u64
-from kvlens.collector.importer import (
+from kvlens.collector.fields import (
     FieldError,
     Parsed,
     Parser,
@@ -44,6 +43,7 @@ from kvlens.collector.importer import (
     seconds_ns,
     tail_tokens,
 )
+from kvlens.collector.hashing import fold_u64
 
 __all__ = ["parser"]
 

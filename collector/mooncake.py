@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlens.collector.importer import INT64_MAX, FieldError, Parsed, Parser, hash_id_request, need_int
+from kvlens.collector.fields import INT64_MAX, FieldError, Parsed, Parser, hash_id_request, need_int
 
 __all__ = ["BLOCK_TOKENS", "parser"]
 

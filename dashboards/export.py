@@ -39,6 +39,7 @@ from kvlens.dashboards.export_windows import (
     window_families,
 )
 from kvlens.dashboards.report_data import open_db
+from kvlens.schema import HIT_OUTCOMES_SQL
 
 __all__ = ["LEDGER_SQL", "RATIO_SQL", "LedgerCollector", "Snapshot", "load_snapshot", "serve"]
 
@@ -50,12 +51,12 @@ SELECT scenario, coalesce(replica, '') AS replica, CAST(outcome AS VARCHAR) AS o
 FROM miss_ledger GROUP BY ALL ORDER BY 1, 2, 3
 """
 
-RATIO_SQL = """
+RATIO_SQL = f"""
 WITH h AS (
     SELECT scenario, coalesce(replica, '') AS replica,
-           coalesce(sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')), 0)
+           coalesce(sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}), 0)
                AS hit_tokens,
-           coalesce(sum(bytes) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')), 0)
+           coalesce(sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}), 0)
                AS hit_bytes
     FROM miss_ledger GROUP BY ALL
 ), p AS (

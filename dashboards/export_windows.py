@@ -38,6 +38,8 @@ from typing import Any
 import duckdb
 from prometheus_client.core import GaugeMetricFamily
 
+from kvlens.errors import ConfigError
+
 __all__ = ["DEFAULT_TOP_PREFIXES", "MAX_TOP_PREFIXES", "WINDOW_SECONDS", "WindowSnapshot",
            "load_windows", "window_families"]
 
@@ -145,7 +147,8 @@ def load_windows(con: duckdb.DuckDBPyConnection, *,
                  top_prefixes: int = DEFAULT_TOP_PREFIXES) -> WindowSnapshot:
     """Read the windowed figures from an open (read-only) analysis DB connection."""
     if not 0 <= top_prefixes <= MAX_TOP_PREFIXES:
-        raise ValueError(f"top_prefixes must be in [0, {MAX_TOP_PREFIXES}], got {top_prefixes}")
+        raise ConfigError(f"top_prefixes must be in [0, {MAX_TOP_PREFIXES}], got {top_prefixes}: "
+                          "pass --top-prefixes within it")
     w = [_WINDOW_NS] * 3
     return WindowSnapshot(
         last=con.execute(_LAST_WINDOW_SQL, w).fetchall(),

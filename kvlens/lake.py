@@ -122,6 +122,7 @@ class SegmentWriter:
         self.schema = arrow_schema(self.table)
         self.rows_written = 0
         self.segments_written = 0
+        self.bytes_written = 0  # of the segments committed, on disk
         self._chunks: list[pa.Table] = []
         self._buffered = 0
         self._oldest: float | None = None
@@ -256,12 +257,14 @@ class SegmentWriter:
                 pq.write_table(part, f, compression="snappy")
                 f.flush()
                 os.fsync(f.fileno())
+                size = f.tell()
             os.replace(tmp, directory / name)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         fsync_dir(directory)
         self.segments_written += 1
+        self.bytes_written += size
 
     # -- finishing -----------------------------------------------------------------------
 

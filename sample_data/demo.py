@@ -19,7 +19,7 @@ from kvlens.lake import open_lake
 from kvlens.models import get_model
 from kvlens.sample_data import MOONCAKE_CONVERSATION
 from kvlens.sample_data.agents import AGENT_MODEL, write_agent_log
-from kvlens.schema import RoutingPolicy
+from kvlens.schema import HIT_OUTCOMES_SQL, RoutingPolicy
 
 __all__ = ["DEMO_MODEL", "DEMO_SCENARIO", "INFINITE_CACHE_SQL", "SAMPLE_TRACE", "WHAT_IFS", "run_demo"]
 
@@ -62,14 +62,14 @@ WHAT_IFS: dict[str, SimConfig] = {
                             **_FLEET),  # type: ignore[arg-type]
 }
 
-LEDGER_SIDE_BY_SIDE_SQL = """
+LEDGER_SIDE_BY_SIDE_SQL = f"""
 SELECT l.scenario,
-       sum(tokens) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) / p.prompt
+       sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) / p.prompt
            AS hit_ratio,
        sum(tokens) FILTER (WHERE outcome = 'miss_routing') / p.prompt AS routing_share,
        sum(tokens) FILTER (WHERE outcome = 'miss_evicted') / p.prompt AS evicted_share,
        sum(tokens) FILTER (WHERE outcome = 'miss_cold') / p.prompt AS cold_share,
-       sum(bytes) FILTER (WHERE outcome IN ('hit_local', 'hit_offload', 'hit_remote')) AS hit_bytes,
+       sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS hit_bytes,
        any_value(p.p50) AS ttft_p50_ms, any_value(p.p99) AS ttft_p99_ms
 FROM miss_ledger l JOIN (
     SELECT scenario, sum(prompt_tokens) AS prompt, median(ttft_ms) AS p50,

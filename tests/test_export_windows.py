@@ -12,6 +12,7 @@ from tiny_analysis_db import T0_NS, make_tiny_db
 
 from kvlens.dashboards.export import load_snapshot
 from kvlens.dashboards.export_windows import WINDOW_SECONDS
+from kvlens.errors import ConfigError
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 MIN_NS = 60 * 10**9
@@ -114,5 +115,5 @@ def test_top_prefixes_is_bounded(demo_workdir: Path) -> None:
     for scenario, *_ in w.prefixes:
         counts[scenario] = counts.get(scenario, 0) + 1
     assert max(counts.values()) <= 3
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="top_prefixes must be in"):
         load_snapshot(demo_workdir / "kvlens.duckdb", top_prefixes=101)

@@ -15,8 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlens.cli import cli
+from kvlens.collector.capture import read_capture
 from kvlens.collector.hashing import DEFAULT_SEED, content_hashes, event_hash, none_hash, vllm_block_hashes
-from kvlens.collector.vllm_events import read_capture, split_frames
+from kvlens.collector.vllm_events import split_frames
+from kvlens.errors import ConfigError
 
 DATA = Path(__file__).parent / "data"
 ROOT_SEED0_CBOR = "4e1195df020de59e0d65a33a4279f1183e7ae4e5d980e309f8b55adff2e61c3e"
@@ -106,9 +108,9 @@ def test_extra_keys_lora_every_block_salt_first_block_only() -> None:
 
 
 def test_bad_arguments() -> None:
-    with pytest.raises(ValueError, match="xxhash"):
+    with pytest.raises(ConfigError, match="xxhash"):
         vllm_block_hashes([1], 1, algo="xxhash")
-    with pytest.raises(ValueError, match="block size"):
+    with pytest.raises(ConfigError, match="block size"):
         vllm_block_hashes([1], 0)
 
 

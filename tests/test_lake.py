@@ -218,3 +218,15 @@ def test_recover_leaves_a_live_commit_alone_and_undoes_a_dead_one(tmp_path: Path
     con = duckdb.connect()
     open_lake(con, tmp_path)
     assert con.execute("SELECT list(request_id) FROM requests").fetchone() == (["old"],)
+
+
+def test_a_writer_counts_the_bytes_of_the_segments_it_committed(tmp_path: Path) -> None:
+    """What the live collector's written_bytes metric reads, instead of the writer's private paths."""
+    with SegmentWriter(tmp_path / "lake", "kv_events", writer_id="w") as w:
+        for seq in range(3):
+            w.append_rows([{"ts_ns": 1_735_689_600 * 10**9, "recv_ns": 1, "replica": "r", "seq": seq,
+                            "kind": "stored", "block_hash": seq + 1}])
+            w.flush()
+    files = segment_files(tmp_path / "lake", "kv_events")
+    assert len(files) == w.segments_written == 3
+    assert w.bytes_written == sum(Path(f).stat().st_size for f in files) > 0

@@ -31,8 +31,8 @@ from engine_frames import (
     signed,
 )
 
+from kvlens.collector.capture import import_capture
 from kvlens.collector.live import GAP_METRIC, CollectorOptions, LiveCollector, Source, writer_id_for
-from kvlens.collector.vllm_events import import_capture
 from kvlens.config import load_config
 from kvlens.errors import ConfigError
 from kvlens.lake import latest_checkpoint
@@ -272,15 +272,15 @@ def test_slow_disk_and_flood_stay_bounded(ctx: zmq.Context[Any], tmp_path: Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A flood against a slow writer: the queue never passes its bounds, and the PUB side's drops
     come back through the replay, so every event still lands once."""
-    from kvlens.collector import live
+    from kvlens.collector import live_sequence
 
-    real_accept = live.LiveCollector._accept
+    real_accept = live_sequence.SequenceTracker._accept
 
-    def slow_accept(self: LiveCollector, *a: Any) -> None:
+    def slow_accept(self: live_sequence.SequenceTracker, *a: Any) -> None:
         time.sleep(0.0005)  # a slow disk: about 2,000 batches/s at most
         real_accept(self, *a)
 
-    monkeypatch.setattr(live.LiveCollector, "_accept", slow_accept)
+    monkeypatch.setattr(live_sequence.SequenceTracker, "_accept", slow_accept)
     e = FakeEngine(ctx, b"t", ring=5000, hwm=50, sndbuf=4096)  # small buffers: the flood reaches the HWMs
     lake = tmp_path / "lake"
     run = Running(ctx, lake, [Source(e.endpoint, e.replay, "r1")], queue_batches=20, queue_bytes=32_768,

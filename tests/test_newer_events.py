@@ -26,12 +26,11 @@ from click.testing import CliRunner
 
 from kvlens.analyzers import block_outcomes
 from kvlens.cli import cli
+from kvlens.collector.capture import capture_line, import_capture
 from kvlens.collector.vllm_events import (
     DecodeError,
     EventDecoder,
     KvColumns,
-    capture_line,
-    import_capture,
     split_snapshot_reply,
 )
 from kvlens.lake import SegmentWriter, open_lake

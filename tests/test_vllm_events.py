@@ -34,14 +34,13 @@ from engine_frames import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvlens.collector.capture import import_capture, read_capture
 from kvlens.collector.hashing import content_hashes
 from kvlens.collector.vllm_events import (
     DecodeError,
     EventDecoder,
     KvColumns,
-    import_capture,
     medium_of,
-    read_capture,
     split_frames,
     topic_replica,
 )
