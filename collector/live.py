@@ -22,8 +22,9 @@ only moves multipart messages into a queue bounded in batches *and* bytes. The
   to_seq), so the ledger can say its numbers for that window are incomplete.
 - Restart safety: each ``kv_events`` segment carries ``{"publishers": {key: {seq, ts_ns,
   endpoint}}}`` as its checkpoint, written atomically with the rows. A restarted collector
-  reads ``latest_checkpoint`` and asks each publisher's replay socket for what follows, so
-  ``kill -9`` loses and duplicates nothing the engine still buffers.
+  reads the newest checkpoint of each of its publishers (any ``live-*`` writer's, so a fleet
+  that gained or lost a replica keeps the others' places) and asks each publisher's replay
+  socket for what follows, so ``kill -9`` loses and duplicates nothing the engine still buffers.
 - Malformed frames (wrong frame count, truncated msgpack, wrong types, oversize, a value
   its column cannot hold) are counted by reason, logged with their first bytes, and skipped.
 - A sequence number is trusted only from a frame that decodes: an unreadable live frame
@@ -74,7 +75,7 @@ from kvlens.collector.vllm_events import (
     topic_replica,
 )
 from kvlens.errors import ConfigError
-from kvlens.lake import SegmentWriter, latest_checkpoint
+from kvlens.lake import SegmentWriter, writer_checkpoints
 from kvlens.schema import EventKind
 
 __all__ = [
@@ -384,14 +385,28 @@ class LiveCollector:
     # -- sequence tracking -----------------------------------------------------------------
 
     def _resume(self) -> None:
-        cp = latest_checkpoint(self.opt.lake, self.writer_id) or {}
+        """Each publisher of our sources resumes from the newest checkpoint any collector left for it.
+
+        The writer id names the whole replica set, so a fleet that gained or lost a replica
+        writes under a new id; reading every collector writer's last checkpoint (``live-*``)
+        and keeping, per publisher, the one with the newest engine time (then sequence: a
+        publisher restart resets the sequence, never the clock) keeps every other replica's
+        place across the change: nothing is lost or written twice.
+        """
         endpoints = {s.endpoint: i for i, s in enumerate(self.opt.sources)}
-        for key, st in (cp.get("publishers") or {}).items():
-            src = endpoints.get(st.get("endpoint"))
-            if src is None:
+        found: dict[str, dict[str, Any]] = {}
+        for writer, cp in writer_checkpoints(self.opt.lake, "kv_events", self.opt.scenario).items():
+            if not (writer == self.writer_id or writer.startswith("live-")):
                 continue
-            self.pubs[key] = _Pub(key, st["replica"], src, st.get("model"), int(st["seq"]), int(st["ts_ns"]),
-                                  fresh=False)
+            for key, st in (cp.get("publishers") or {}).items():
+                if st.get("endpoint") not in endpoints:
+                    continue
+                old = found.get(key)
+                if old is None or (int(st["ts_ns"]), int(st["seq"])) > (int(old["ts_ns"]), int(old["seq"])):
+                    found[key] = st
+        for key, st in found.items():
+            self.pubs[key] = _Pub(key, st["replica"], endpoints[st["endpoint"]], st.get("model"),
+                                  int(st["seq"]), int(st["ts_ns"]), fresh=False)
         if self.pubs:
             log.info("resuming %d publishers from checkpoint", len(self.pubs))
 
