@@ -242,13 +242,22 @@ def models_cmd() -> None:
 
 @cli.command("compact")
 @click.option("--lake", required=True, type=click.Path(file_okay=False))
-def compact_cmd(lake: str) -> None:
-    """Merge the segments of each closed day into one, atomically.
+@click.option("--keep", default=None, metavar="Nd",
+              help="Retention: first drop the raw days older than this (e.g. 30d), whole days, atomically; "
+                   "the analysis DB is not touched.")
+@click.option("--scenario", "scenarios", multiple=True,
+              help="Scenario --keep applies to (repeat); default: all.")
+def compact_cmd(lake: str, keep: str | None, scenarios: tuple[str, ...]) -> None:
+    """Merge the segments of each closed day into one, atomically; with --keep, drop old days first.
 
-    Example: kvlens compact --lake lake
+    Example: kvlens compact --lake lake --keep 30d --scenario live
     """
-    from kvlens.compact import compact
+    from kvlens.compact import compact, drop_old_days, parse_keep_days
 
+    if keep is not None:
+        dropped = drop_old_days(lake, parse_keep_days(keep), scenarios=scenarios)
+        click.echo(f"dropped {dropped['days_dropped']} days older than {keep} "
+                   f"({dropped['partitions_dropped']} partitions, {dropped['segments_dropped']} segments)")
     counts = compact(lake)
     click.echo(f"merged {counts['partitions_merged']} partitions "
                f"({counts['segments_replaced']} segments replaced)")
