@@ -550,8 +550,11 @@ def probe_cmd(model: str | None, model_config: str | None, prefix_tokens: str | 
 
 
 @collect_group.command("scrape")
-@click.option("--url", required=True, help="The engine's metrics endpoint, e.g. http://HOST:8000/metrics.")
-@click.option("--replica", required=True, help="Replica name recorded on the rows.")
+@click.option("--url", default=None, help="The engine's metrics endpoint, e.g. http://HOST:8000/metrics.")
+@click.option("--replica", default=None, help="Replica name recorded on the rows (with --url).")
+@click.option("--config", default=None, type=click.Path(dir_okay=False),
+              help="kvlens.toml: scrape every [[fleet.replicas]] metrics_url, one thread each "
+                   "(instead of --url).")
 @click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
 @click.option("--interval", type=click.FloatRange(min=0.01), default=15.0, show_default=True,
               help="Seconds between scrapes.")
@@ -563,25 +566,31 @@ def probe_cmd(model: str | None, model_config: str | None, prefix_tokens: str | 
               help="Write a segment at least this often.")
 @click.option("--family", "families", multiple=True,
               help="Metric family name prefix to keep (repeat); default: the documented allow-list.")
-def collect_scrape_cmd(url: str, replica: str, lake: str, interval: float, duration: float | None,
-                       timeout: float, scenario: str, flush_seconds: float,
+def collect_scrape_cmd(url: str | None, replica: str | None, config: str | None, lake: str, interval: float,
+                       duration: float | None, timeout: float, scenario: str, flush_seconds: float,
                        families: tuple[str, ...]) -> None:
-    """Scrape an engine's Prometheus /metrics (vLLM, SGLang, LMCache) into metric_samples.
+    """Scrape engines' Prometheus /metrics (vLLM, SGLang, LMCache) into metric_samples.
 
     Example: kvlens collect scrape --url http://127.0.0.1:8000/metrics --replica replica-a --lake lake
     """
-    from kvlens.collector.scrape import DEFAULT_FAMILY_PREFIXES, Scraper
+    from kvlens.collector.scrape import DEFAULT_FAMILY_PREFIXES, FleetScraper, fleet_targets
     from kvlens.config import check_http_url
+    from kvlens.errors import ConfigError
 
-    check_http_url(url, "--url")
-    scraper = Scraper(url=url, replica=replica, lake=lake, interval_s=interval, timeout_s=timeout,
-                      scenario=scenario, flush_s=flush_seconds, prefixes=families or DEFAULT_FAMILY_PREFIXES)
-    click.echo(f"scraping {url} every {interval:g} s into {lake} as writer scrape-{replica}", err=True)
-    with _stopped_by_signals(scraper.stop):
-        stats = scraper.run(duration_s=duration)
-    click.echo(f"{replica}: {stats.ok:,} scrapes, {stats.failed:,} failed, {stats.samples:,} samples")
-    if stats.last_error:
-        click.echo(f"last failure: {stats.last_error}", err=True)
+    if (url is None) == (config is None) or (url is None) != (replica is None):
+        raise ConfigError("give --url with --replica (one engine), or --config kvlens.toml (every replica's "
+                          "metrics_url)")
+    targets = fleet_targets(config) if config else [(str(replica), check_http_url(str(url), "--url"))]
+    fleet = FleetScraper(targets, lake=lake, interval_s=interval, timeout_s=timeout, scenario=scenario,
+                         flush_s=flush_seconds, prefixes=families or DEFAULT_FAMILY_PREFIXES)
+    for name, where in targets:
+        click.echo(f"scraping {where} every {interval:g} s into {lake} as writer scrape-{name}", err=True)
+    with _stopped_by_signals(fleet.stop):
+        all_stats = fleet.run(duration_s=duration)
+    for (name, _), stats in zip(targets, all_stats, strict=True):
+        click.echo(f"{name}: {stats.ok:,} scrapes, {stats.failed:,} failed, {stats.samples:,} samples")
+        if stats.last_error:
+            click.echo(f"{name}: last failure: {stats.last_error}", err=True)
 
 
 @collect_group.command("otlp")
