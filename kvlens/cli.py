@@ -759,6 +759,67 @@ def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefix
         server.server_close()
 
 
+@cli.command("serve")
+@click.option("--config", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="kvlens.toml: the fleet whose replicas are collected and scraped.")
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB kept up to date.")
+@click.option("--analyze-every", default="5m", show_default=True, metavar="DURATION",
+              help="Run kvlens analyze this often (30s, 5m, 1h).")
+@click.option("--dashboard", is_flag=True, help="Also serve the Streamlit dashboard (--dashboard-port).")
+@click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8501, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve serve's own /metrics here (restarts by child, analyses run, their duration).")
+@click.option("--export-port", type=click.IntRange(1, 65535), default=9465, show_default=True,
+              help="Port of the Prometheus export of the analysis DB (kvlens export).")
+@click.option("--no-export", is_flag=True, help="Do not run the Prometheus export.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address /metrics, the export and the dashboard bind (0.0.0.0 for all).")
+@click.option("--otlp-listen", default="127.0.0.1:4318", show_default=True,
+              help="HOST:PORT of the OTLP/HTTP receiver; 'off' runs none.")
+@click.option("--flush-seconds", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
+              help="The collectors commit a segment at least this often.")
+@click.option("--scrape-interval", type=click.FloatRange(min=0.05), default=15.0, show_default=True,
+              help="Seconds between scrapes of each replica's metrics_url.")
+@click.option("--backoff-cap", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Longest wait, in seconds, before a crashed child is restarted (the wait doubles "
+                   "from 1 s).")
+def serve_cmd(config: str, lake: str, db: str, analyze_every: str, dashboard: bool, dashboard_port: int,
+              metrics_port: int | None, export_port: int, no_export: bool, host: str, otlp_listen: str,
+              flush_seconds: float, scrape_interval: float, backoff_cap: float) -> None:
+    """Run the fleet from one config: collectors, scrapes, OTLP receiver, export, periodic analysis.
+
+    Every part is a supervised child (restarted with back-off); SIGTERM stops them all.
+
+    Example: kvlens serve --config kvlens.toml --lake lake --db kvlens.duckdb --analyze-every 5m --dashboard
+    """
+    from kvlens.collector.otlp_server import parse_listen
+    from kvlens.dashboards.report import parse_duration_ns
+    from kvlens.serve import ServeOptions, Serving, check_ports, serve_metrics
+
+    listen = None if otlp_listen == "off" else otlp_listen
+    options = ServeOptions(config=config, lake=lake, db=db,
+                           analyze_every_s=parse_duration_ns(analyze_every) / 1e9, dashboard=dashboard,
+                           dashboard_port=dashboard_port, metrics_port=metrics_port, host=host,
+                           export_port=None if no_export else export_port, otlp_listen=listen,
+                           flush_s=flush_seconds, scrape_interval_s=scrape_interval,
+                           backoff_cap_s=backoff_cap)
+    check_ports(options, parse_listen(listen) if listen else None)
+    serving = Serving(options)
+    server = serve_metrics(serving, host, metrics_port) if metrics_port is not None else None
+    where = f"; /metrics on http://{host}:{metrics_port}/metrics" if server else ""
+    click.echo(f"serving {config}: {', '.join(serving.daemons) or 'no children'}, "
+               f"analyze every {analyze_every}{where}", err=True)
+    try:
+        with _stopped_by_signals(serving.stop):
+            statuses = serving.run()
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+    click.echo("stopped: " + ", ".join(f"{n} exited {s}" for n, s in statuses.items()), err=True)
+
+
 @cli.command("dashboard")
 @click.option("--db", required=True, type=click.Path(dir_okay=False),
               help="Analysis DB written by kvlens analyze.")
