@@ -64,3 +64,35 @@ def test_no_gap_rows_no_flags(tmp_path: Path) -> None:
         assert con.execute("SELECT bool_or(events_incomplete) FROM miss_ledger").fetchone() == (False,)
     finally:
         con.close()
+
+
+def _script(db: str, page: str) -> None:
+    from kvlens.dashboards.app import run
+
+    run(db, only=page)
+
+
+def test_report_and_dashboard_say_so_beside_the_numbers(tmp_path: Path) -> None:
+    from streamlit.testing.v1 import AppTest
+
+    from kvlens.dashboards.report import build_report
+
+    lake = tmp_path / "lake"
+    _gap_lake(lake)
+    db = analyze_lake(lake, tmp_path / "db.duckdb").db
+    report = build_report(db)
+    said = "Incomplete: 2 of 5 requests of live arrived after the collector lost KV-event batches"
+    assert said in report.text and said in report.file_html
+    at = AppTest.from_function(_script, args=(str(db), "overview"), default_timeout=60).run()
+    assert not at.exception
+    assert any(w.value.startswith("Incomplete: 2 of 5 requests arrived after") for w in at.warning)
+
+
+def test_report_says_nothing_without_gaps(tmp_path: Path) -> None:
+    from kvlens.dashboards.report import build_report
+
+    lake = tmp_path / "lake"
+    _write(lake, "live", "kv_events", [_ev(1, "A", 1, "stored", 301)])
+    _write(lake, "live", "requests", [_request("Q1", 2, "A", 32)])
+    _write(lake, "live", "request_blocks", _blocks("Q1", 2, [301, 302]))
+    assert "Incomplete" not in build_report(analyze_lake(lake, tmp_path / "db.duckdb").db).text
