@@ -777,6 +777,8 @@ def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefix
               help="Address /metrics, the export and the dashboard bind (0.0.0.0 for all).")
 @click.option("--otlp-listen", default="127.0.0.1:4318", show_default=True,
               help="HOST:PORT of the OTLP/HTTP receiver; 'off' runs none.")
+@click.option("--gateway-listen", default="127.0.0.1:8000", show_default=True,
+              help="HOST:PORT of kvlens gateway, run when the config routes through it; 'off' runs none.")
 @click.option("--flush-seconds", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
               help="The collectors commit a segment at least this often.")
 @click.option("--scrape-interval", type=click.FloatRange(min=0.05), default=15.0, show_default=True,
@@ -786,7 +788,7 @@ def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefix
                    "from 1 s).")
 def serve_cmd(config: str, lake: str, db: str, analyze_every: str, dashboard: bool, dashboard_port: int,
               metrics_port: int | None, export_port: int, no_export: bool, host: str, otlp_listen: str,
-              flush_seconds: float, scrape_interval: float, backoff_cap: float) -> None:
+              gateway_listen: str, flush_seconds: float, scrape_interval: float, backoff_cap: float) -> None:
     """Run the fleet from one config: collectors, scrapes, OTLP receiver, export, periodic analysis.
 
     Every part is a supervised child (restarted with back-off); SIGTERM stops them all.
@@ -802,6 +804,7 @@ def serve_cmd(config: str, lake: str, db: str, analyze_every: str, dashboard: bo
                            analyze_every_s=parse_duration_ns(analyze_every) / 1e9, dashboard=dashboard,
                            dashboard_port=dashboard_port, metrics_port=metrics_port, host=host,
                            export_port=None if no_export else export_port, otlp_listen=listen,
+                           gateway_listen=None if gateway_listen == "off" else gateway_listen,
                            flush_s=flush_seconds, scrape_interval_s=scrape_interval,
                            backoff_cap_s=backoff_cap)
     check_ports(options, parse_listen(listen) if listen else None)

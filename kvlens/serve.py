@@ -7,7 +7,8 @@ the grace period):
 - ``collect-vllm``: the KV-event collector for every replica of the config (``collect vllm --config``);
 - ``scrape``: every replica's ``metrics_url`` in one process (``collect scrape --config``);
 - ``otlp``: the OTLP/HTTP receiver (``--otlp-listen``);
-- ``gateway``: when the config has a ``[gateway]`` table and this kvlens has the command;
+- ``gateway``: when the config has a ``[gateway]`` table or a replica with a ``url``, and this
+  kvlens has the command (``--gateway-listen``);
 - ``export``: the Prometheus export of the analysis DB, and ``dashboard`` with ``--dashboard``;
   both start once the DB exists.
 
@@ -57,6 +58,7 @@ class ServeOptions:
     host: str = "127.0.0.1"  # where serve's /metrics, the export and the dashboard bind
     export_port: int | None = 9465
     otlp_listen: str | None = "127.0.0.1:4318"
+    gateway_listen: str | None = "127.0.0.1:8000"
     flush_s: float = 5.0
     scrape_interval_s: float = 15.0
     backoff_s: float = 1.0
@@ -104,10 +106,18 @@ def _otlp(o: ServeOptions, c: Config) -> list[str] | None:
             "--flush-seconds", f"{o.flush_s:g}"]
 
 
+def _gateway_configured(c: Config) -> bool:
+    """A ``[gateway]`` table, or a replica with an OpenAI ``url`` (what kvlens gateway forwards to)."""
+    fleet = c.raw.get("fleet")
+    entries = fleet.get("replicas", []) if isinstance(fleet, dict) else []
+    return "gateway" in c.raw or any(isinstance(e, dict) and "url" in e for e in entries)
+
+
 def _gateway(o: ServeOptions, c: Config) -> list[str] | None:
-    if "gateway" not in c.raw or not _has_command("gateway"):
+    if not o.gateway_listen or not _gateway_configured(c) or not _has_command("gateway"):
         return None
-    return ["gateway", "--config", o.config, "--lake", o.lake]
+    return ["gateway", "--config", o.config, "--lake", o.lake, "--listen", o.gateway_listen,
+            "--flush-seconds", f"{o.flush_s:g}"]
 
 
 def _export(o: ServeOptions, c: Config) -> list[str] | None:

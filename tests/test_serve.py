@@ -211,7 +211,7 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
                                                                     tmp_path: Path) -> None:
     engine = FakeEngine(ctx, b"kv@replica-a@tiny")
     metrics = _Metrics(ok=2)
-    otlp, export = _free_port(), _free_port()
+    otlp, export, dashboard = _free_port(), _free_port(), _free_port()
     config = tmp_path / "kvlens.toml"
     config.write_text(f'[[fleet.replicas]]\nname = "replica-a"\nendpoint = "{engine.endpoint}"\n'
                       f'replay_endpoint = "{engine.replay}"\nmetrics_url = "{metrics.url}"\n')
@@ -220,7 +220,7 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
     # arrive through serve's collector, the spans through its receiver)
     import_files("gateway", [gateway_lines(CAPTURE, tmp_path / "gateway.jsonl")], lake, scenario="live")
     serve = _Serve(tmp_path, config, lake, db, "--otlp-listen", f"127.0.0.1:{otlp}", "--export-port",
-                   str(export), "--scrape-interval", "0.1")
+                   str(export), "--scrape-interval", "0.1", "--dashboard", "--dashboard-port", str(dashboard))
     try:
         _wait(lambda: bool(engine.pub.poll(100)), "the collector subscribed", serve.proc)
         engine.pub.recv()  # XPUB's subscription message
@@ -248,8 +248,11 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
         assert m[("kvlens_serve_last_analysis_duration_seconds", ())] > 0
         exported = _scrape(export)
         assert any(name.startswith("kvlens_") for name, _ in exported)  # the export serves the new DB
+        _wait(lambda: _answers(f"http://127.0.0.1:{dashboard}/_stcore/health"), "the dashboard serves",
+              serve.proc)
         kids = _descendants(serve.proc.pid)
-        assert len(kids) >= 4  # collect vllm, scrape, otlp, export (and maybe an analysis)
+        # collect vllm, scrape, otlp, export, kvlens dashboard and its Streamlit (maybe an analysis)
+        assert len(kids) >= 6
         serve.proc.send_signal(signal.SIGTERM)
         assert serve.proc.wait(timeout=DEADLINE_S) == 0, serve.log.read_text()[-3000:]
     finally:
@@ -257,10 +260,18 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
         engine.close()
         metrics.close()
     assert not [p for p in kids if _alive(p)]
-    for port in (otlp, export, serve.metrics_port):
+    for port in (otlp, export, dashboard, serve.metrics_port):
         assert _port_free(port), f"port {port} still bound after SIGTERM"
     # the collectors flushed on their way out: nothing they took is missing
     assert _count(lake, _SEQS) == len(frames)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as r:
+            return bool(r.status == 200)
+    except OSError:
+        return False
 
 
 def _try_post(port: int, name: str) -> bool:
@@ -370,3 +381,21 @@ def test_backoff_doubles_to_the_cap_and_resets_after_a_long_run(tmp_path: Path) 
     serving._exited("c", 1, 100.0 + 8.0)  # it ran for the cap: the next wait starts over
     assert st.due - 108.0 == 1.0
     assert serving.metrics.value("kvlens_serve_child_restarts_total", child="c") == 7
+
+
+def test_children_are_data_driven_and_the_gateway_runs_only_when_configured(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlens import serve as serve_module
+    from kvlens.cli import cli
+    from kvlens.serve import ServeOptions, Serving
+
+    config = tmp_path / "kvlens.toml"
+    config.write_text('[[fleet.replicas]]\nname = "a"\nendpoint = "tcp://127.0.0.1:5557"\n'
+                      'metrics_url = "http://127.0.0.1:8000/metrics"\n')
+    opts = ServeOptions(config=str(config), lake="lake", db="db.duckdb", otlp_listen=None)
+    assert list(Serving(opts).daemons) == ["collect-vllm", "scrape", "export"]
+    config.write_text(config.read_text() + "[gateway]\n")
+    assert ("gateway" in Serving(opts).daemons) == ("gateway" in cli.commands)  # once kvlens has it
+    monkeypatch.setattr(serve_module, "_has_command", lambda name: True)
+    _, argv = Serving(opts).daemons["gateway"]
+    assert argv[:5] == ["gateway", "--config", str(config), "--lake", "lake"]
