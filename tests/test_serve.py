@@ -399,3 +399,22 @@ def test_children_are_data_driven_and_the_gateway_runs_only_when_configured(
     monkeypatch.setattr(serve_module, "_has_command", lambda name: True)
     _, argv = Serving(opts).daemons["gateway"]
     assert argv[:5] == ["gateway", "--config", str(config), "--lake", "lake"]
+
+
+def test_the_readmes_systemd_unit_and_deployment_run_flags_serve_accepts() -> None:
+    import re
+    import shlex
+
+    from click.testing import CliRunner
+
+    from kvlens.cli import cli
+
+    repo = Path(__file__).resolve().parents[1]
+    readme = (repo / "README.md").read_text()
+    unit = re.search(r"^ExecStart=\S+ (serve .*)$", readme, re.M)
+    deployment = re.search(r'args: (\["serve".*?\])', readme, re.S)
+    docker = re.search(r"^CMD (\[.*\])$", (repo / "Dockerfile").read_text(), re.M)
+    assert unit and deployment and docker
+    for args in (shlex.split(unit.group(1)), json.loads(deployment.group(1)), json.loads(docker.group(1))):
+        result = CliRunner().invoke(cli, [*args, "--help"])  # eager --help: every option before it exists
+        assert result.exit_code == 0 and args[0] == "serve", (args, result.output)
