@@ -19,8 +19,9 @@ it writes the DB under a temporary name and renames it into place (kvlens/analys
 a ``kill -9`` of serve mid-analysis (the analysis dies with it) leaves the previous DB whole,
 and the next start analyzes at once when the DB is older than one period. serve's own
 ``/metrics`` (``--metrics-port``) counts restarts by child, last exit statuses, analyses run
-and the last analysis's duration, all measured. SIGTERM, SIGINT or SIGHUP stop every child
-(the collectors flush on their SIGTERM) and return.
+and the last analysis's duration, all measured. SIGTERM or SIGINT stop every child (the
+collectors flush on their SIGTERM) and return; any other death of serve ends them too
+(PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
