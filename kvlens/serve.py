@@ -38,9 +38,10 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvlens.config import Config, load_config
-from kvlens.supervise import Supervisor
+from kvlens.supervise import StopScope, Supervisor, stop_scope
 
-__all__ = ["CHILDREN", "ChildSpec", "ServeMetrics", "ServeOptions", "Serving", "check_ports", "serve_metrics"]
+__all__ = ["CHILDREN", "ChildSpec", "ServeMetrics", "ServeOptions", "Serving", "check_ports", "run_serve",
+           "serve_metrics"]
 
 log = logging.getLogger(__name__)
 
@@ -281,3 +282,23 @@ def serve_metrics(serving: Serving, host: str, port: int) -> Any:
 
     server, _ = start_http_server(port, addr=host, registry=serving.metrics.registry)
     return server
+
+
+def run_serve(options: ServeOptions, *, otlp_address: tuple[str, int] | None, until: StopScope | None = None,
+              announce: Callable[[str], object] = lambda _line: None) -> dict[str, int]:
+    """``kvlens serve``'s front door: check the ports, serve /metrics, supervise until ``until``'s stop;
+    the children's exit statuses at the stop. ``otlp_address``: ``options.otlp_listen`` parsed."""
+    check_ports(options, otlp_address)
+    serving = Serving(options)
+    o = options
+    server = serve_metrics(serving, o.host, o.metrics_port) if o.metrics_port is not None else None
+    where = f"; /metrics on http://{o.host}:{o.metrics_port}/metrics" if server else ""
+    announce(f"serving {o.config}: {', '.join(serving.daemons) or 'no children'}, analyze every "
+             f"{o.analyze_every_s:g} s{where}")
+    try:
+        with stop_scope(until, serving.stop):
+            return serving.run()
+    finally:
+        if server is not None:
+            server.shutdown()
+            server.server_close()

@@ -394,11 +394,22 @@ def test_fleet_config(tmp_path: Path) -> None:
         load_config(toml)
 
 
+def _joined(e: FakeEngine) -> None:
+    """Wait for a subscription (XPUB also hands over the unsubscriptions stopped collectors left)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if e.pub.poll(100) and e.pub.recv()[:1] == b"\x01":
+            return
+    raise TimeoutError("no subscriber joined")
+
+
 def test_fleet_change_keeps_every_other_replicas_checkpoint(ctx: zmq.Context[Any], tmp_path: Path) -> None:
     """A replica added, then one removed: the writer id changes each time (it names the replica
     set), and every replica that stays resumes from its own checkpoint: no batch lost or doubled."""
     lake = tmp_path / "lake"
     engines = {name: FakeEngine(ctx, b"t") for name in ("a", "b", "c")}
+    for e in engines.values():  # every subscription, even one the last collector's still covers
+        e.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
     streams = {name: Stream(e, name, "vllm033") for name, e in engines.items()}
     src = {name: Source(e.endpoint, e.replay, name) for name, e in engines.items()}
     got = "kvlens_collector_received_batches_total"
@@ -408,7 +419,7 @@ def test_fleet_change_keeps_every_other_replicas_checkpoint(ctx: zmq.Context[Any
         run = Running(ctx, lake, [src[n] for n in names])
         try:
             for n in names:
-                engines[n].wait_subscribed()
+                _joined(engines[n])
             for n, count in backlog.items():
                 _wait(lambda n=n, count=count: run.value(got, replica=n) == count)  # type: ignore[misc]
             for n, count in live.items():
