@@ -6,7 +6,8 @@ the grace period):
 
 - ``collect-vllm``: the KV-event collector for every replica of the config (``collect vllm --config``);
 - ``scrape``: every replica's ``metrics_url`` in one process (``collect scrape --config``);
-- ``otlp``: the OTLP/HTTP receiver (``--otlp-listen``);
+- ``otlp``: the OTLP/HTTP receiver (``--otlp-listen``), into scenario ``live-spans``, which the
+  analysis joins into ``live`` by request id (``analyze_args``);
 - ``gateway``: when the config has a ``[gateway]`` table or a replica with a ``url``, and this
   kvlens has the command (``--gateway-listen``);
 - ``export``: the Prometheus export of the analysis DB, and ``dashboard`` with ``--dashboard``;
@@ -40,12 +41,15 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 from kvlens.config import Config, load_config
 from kvlens.supervise import StopScope, Supervisor, stop_scope
 
-__all__ = ["CHILDREN", "ChildSpec", "ServeMetrics", "ServeOptions", "Serving", "check_ports", "run_serve",
-           "serve_metrics"]
+__all__ = [
+    "CHILDREN", "SPANS_SCENARIO", "ChildSpec", "ServeMetrics", "ServeOptions", "Serving", "analyze_args",
+    "check_ports", "run_serve", "serve_metrics",
+]
 
 log = logging.getLogger(__name__)
 
 ANALYZE = "analyze"
+SPANS_SCENARIO = "live-spans"  # where serve's OTLP receiver writes (joined into the analysis)
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,21 @@ def _scrape(o: ServeOptions, c: Config) -> list[str] | None:
 def _otlp(o: ServeOptions, c: Config) -> list[str] | None:
     if not o.otlp_listen:
         return None
-    return ["collect", "otlp", "--listen", o.otlp_listen, "--lake", o.lake,
+    return ["collect", "otlp", "--listen", o.otlp_listen, "--lake", o.lake, "--scenario", SPANS_SCENARIO,
             "--flush-seconds", f"{o.flush_s:g}"]
+
+
+def analyze_args(o: ServeOptions) -> list[str]:
+    """The periodic ``kvlens analyze``: the lake's scenarios, the spans joined once there are any.
+
+    Spans go to their own scenario (``live-spans``): joined by request id they fill the timings
+    of the requests the gateway recorded with their blocks (``live``), as ``--join`` documents;
+    in ``live`` itself, requests without blocks would make the analysis refuse the scenario.
+    """
+    args = ["analyze", "--lake", o.lake, "--db", o.db]
+    if any((Path(o.lake) / "requests" / f"scenario={SPANS_SCENARIO}").glob("date=*/*.parquet")):
+        args += ["--join", SPANS_SCENARIO]
+    return args
 
 
 def _gateway_configured(c: Config) -> bool:
@@ -235,7 +252,7 @@ class Serving:
             self.metrics.up.labels(child=name).set(1)
             log.info("started %s", name)
         if not self.sup.running(ANALYZE) and now >= self._next_analysis:
-            self.sup.start(ANALYZE, self._cmd(["analyze", "--lake", self.opt.lake, "--db", self.opt.db]))
+            self.sup.start(ANALYZE, self._cmd(analyze_args(self.opt)))
             self._analysis_started = now
             self.metrics.up.labels(child=ANALYZE).set(1)
 

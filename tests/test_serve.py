@@ -38,6 +38,7 @@ from kvlens.schema import ANALYSIS_TABLES
 
 CAPTURE = Path(__file__).parent / "data" / "vllm-cpu-capture"
 _SEQS = "SELECT count(DISTINCT seq) FROM kv_events"
+_SPANS = "SELECT count(*) FROM requests WHERE scenario = 'live-spans'"
 DEADLINE_S = 240.0  # bounds a failure only: every wait ends as soon as its condition holds
 
 
@@ -150,9 +151,9 @@ def _tables(db: Path) -> dict[str, list[tuple[Any, ...]]]:
         con.close()
 
 
-def _same_as_full_analysis(lake: Path, db: Path, tmp: Path) -> None:
+def _same_as_full_analysis(lake: Path, db: Path, tmp: Path, join: tuple[str, ...] = ()) -> None:
     full = tmp / f"full-{time.monotonic_ns()}.duckdb"
-    analyze_lake(lake, full)
+    analyze_lake(lake, full, join=join)
     assert _tables(db) == _tables(full)
 
 
@@ -230,18 +231,20 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
         for i, (payloads, spans) in enumerate(periods):
             for p in payloads:
                 engine.publish(p)
-            had = _count(lake, "SELECT count(*) FROM requests")
+            had = _count(lake, _SPANS)
             _wait(lambda spans=spans: _try_post(otlp, spans), "the OTLP receiver took the spans", serve.proc)
             sent = half if i == 0 else len(frames)
             _wait(lambda sent=sent: _count(lake, _SEQS) == sent, "every batch sent so far is in the lake",
                   serve.proc)
             _wait(lambda: _count(lake, "SELECT count(*) FROM metric_samples") > 0 and metrics.hits > 2,
                   "two scrapes landed", serve.proc)
-            _wait(lambda had=had: _count(lake, "SELECT count(*) FROM requests") > had,
-                  "the spans' requests are in the lake", serve.proc)
+            _wait(lambda had=had: _count(lake, _SPANS) > had, "the spans' requests are in the lake",
+                  serve.proc)
             # an analysis that started after the data landed has finished
             serve.wait_analyses(serve.analyses() + 2)
-            _same_as_full_analysis(lake, db, tmp_path)
+            _same_as_full_analysis(lake, db, tmp_path, join=("live-spans",))
+        joined = query("SELECT source_scenario FROM request_sources", db=db)[1]
+        assert joined == [("live-spans",)]  # the receiver's spans were joined into the gateway's requests
         m = _scrape(serve.metrics_port)
         assert m[("kvlens_serve_child_up", (("child", "collect-vllm"),))] == 1
         assert m[("kvlens_serve_child_up", (("child", "export"),))] == 1
