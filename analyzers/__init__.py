@@ -17,6 +17,7 @@ from kvlens.analyzers.costs import cost_model
 from kvlens.analyzers.crossover import crossover
 from kvlens.analyzers.fanout import fanout
 from kvlens.analyzers.flows import flows
+from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.hygiene import hygiene
 from kvlens.analyzers.isolation import isolation_findings
 from kvlens.analyzers.join import join_sources
@@ -69,7 +70,10 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         requests=requests, request_blocks=con.table("request_blocks"),
         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
         scenario=scenario, bytes_per_token=per_token, group_bytes_per_token=group_bytes_per_token(model))
-    per_request = request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario)
+    gaps, clears = event_gaps(metric_samples=con.table("metric_samples"), kv_events=con.table("kv_events"),
+                              scenario=scenario)
+    per_request = mark_incomplete(
+        request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario), gaps, clears)
     origin = scenario_provenance(requests=requests, scenario=scenario, simulations=con.table("simulations"))
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
@@ -78,7 +82,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         "sources": [origin.sources], "ttft_label": [origin.ttft_label], "assumptions": [origin.assumptions]},
         schema_overrides={"ttft_label": pl.String, "assumptions": pl.String})
     yield "block_outcomes", outcomes
-    yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
+    yield "miss_ledger", miss_ledger(block_outcomes=outcomes, incomplete=per_request)
     yield "request_ledger", per_request
     yield "hygiene", hygiene(request_blocks=con.table("request_blocks"), scenario=scenario,
                              bytes_per_token=per_token)

@@ -14,7 +14,8 @@ from kvlens.schema import HIT_OUTCOMES_SQL, Outcome
 
 __all__ = ["request_ledger"]
 
-# Tail tokens are the prompt beyond its full blocks; the engine's cached_tokens sits beside.
+# Tail tokens are the prompt beyond its full blocks; the engine's cached_tokens sits beside. A tie
+# between miss outcomes goes to the first name in order, so the result never depends on row order.
 REQUEST_LEDGER_SQL = f"""
 WITH per AS (
     SELECT request_id,
@@ -32,7 +33,8 @@ WITH per AS (
            sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
                                AND origin NOT IN ('gpu', 'cpu', 'disk')) AS remote_hit_tokens,
            sum(tokens) AS full_tokens,
-           arg_max(outcome, tokens_by_outcome) FILTER (WHERE outcome LIKE 'miss_%') AS dominant_miss
+           first(outcome ORDER BY tokens_by_outcome DESC, outcome) FILTER (WHERE outcome LIKE 'miss_%')
+               AS dominant_miss
     FROM (SELECT request_id, outcome, tokens, reusable, origin,
                  sum(tokens) OVER (PARTITION BY request_id, outcome) AS tokens_by_outcome
           FROM block_outcomes)

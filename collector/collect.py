@@ -19,7 +19,8 @@ from kvlens.supervise import StopScope, check_port_free, stop_scope
 if TYPE_CHECKING:
     from kvlens.collector.scrape import ScrapeStats
 
-__all__ = ["OtlpCollectResult", "ReplicaEvents", "collect_otlp", "collect_scrape", "collect_vllm"]
+__all__ = ["OtlpCollectResult", "ReplicaEvents", "collect_otlp", "collect_scrape", "collect_scrape_fleet",
+           "collect_vllm"]
 
 Announce = Callable[[str], object]
 
@@ -98,6 +99,24 @@ def collect_scrape(lake: str | Path, *, url: str, replica: str, interval_s: floa
     announce(f"scraping {url} every {interval_s:g} s into {lake} as writer scrape-{replica}")
     with stop_scope(until, scraper.stop):
         return scraper.run(duration_s=duration_s)
+
+
+def collect_scrape_fleet(lake: str | Path, *, config: str, interval_s: float = 15.0, timeout_s: float = 5.0,
+                         scenario: str = "live", flush_s: float = 60.0, families: Sequence[str] = (),
+                         duration_s: float | None = None, until: StopScope | None = None,
+                         announce: Announce = _quiet) -> list[tuple[str, ScrapeStats]]:
+    """Every ``metrics_url`` of ``config``'s replicas, one thread and writer each, in one process
+    (collector/scrape.py's FleetScraper); (replica, ScrapeStats) per replica."""
+    from kvlens.collector.scrape import DEFAULT_FAMILY_PREFIXES, FleetScraper, fleet_targets
+
+    targets = fleet_targets(config)
+    fleet = FleetScraper(targets, lake=str(lake), interval_s=interval_s, timeout_s=timeout_s,
+                         scenario=scenario, flush_s=flush_s, prefixes=families or DEFAULT_FAMILY_PREFIXES)
+    for name, url in targets:
+        announce(f"scraping {url} every {interval_s:g} s into {lake} as writer scrape-{name}")
+    with stop_scope(until, fleet.stop):
+        stats = fleet.run(duration_s=duration_s)
+    return [(name, st) for (name, _), st in zip(targets, stats, strict=True)]
 
 
 def collect_otlp(lake: str | Path, *, listen: str = "127.0.0.1:4318",

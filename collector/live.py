@@ -24,8 +24,9 @@ transport), which decodes what it takes, and commits the rows with their checkpo
   to_seq), so the ledger can say its numbers for that window are incomplete.
 - Restart safety: each ``kv_events`` segment carries ``{"publishers": {key: {seq, ts_ns,
   endpoint}}}`` as its checkpoint, written atomically with the rows. A restarted collector
-  reads ``latest_checkpoint`` and asks each publisher's replay socket for what follows, so
-  ``kill -9`` loses and duplicates nothing the engine still buffers.
+  reads the newest checkpoint of each of its publishers (any ``live-*`` writer's, so a fleet
+  that gained or lost a replica keeps the others' places) and asks each publisher's replay
+  socket for what follows, so ``kill -9`` loses and duplicates nothing the engine still buffers.
 - Malformed frames (wrong frame count, truncated msgpack, wrong types, oversize, a value
   its column cannot hold) are counted by reason, logged with their first bytes, and skipped.
 - A sequence number is trusted only from a frame that decodes: an unreadable live frame
@@ -69,7 +70,7 @@ from kvlens.collector.live_sequence import GAP_METRIC, SequenceTracker
 from kvlens.collector.quarantine import spill_rows
 from kvlens.collector.vllm_events import DEFAULT_MAX_PAYLOAD_BYTES, EventDecoder, KvColumns
 from kvlens.errors import ConfigError
-from kvlens.lake import SegmentWriter, latest_checkpoint
+from kvlens.lake import SegmentWriter, writer_checkpoints
 
 __all__ = [  # GAP_METRIC and CollectorMetrics live in live_sequence.py and live_metrics.py
     "GAP_METRIC", "CollectorMetrics", "CollectorOptions", "LiveCollector", "Source", "build_sources",
@@ -197,7 +198,7 @@ class LiveCollector:
         """Collect until ``stop()`` or ``duration_s``; always ends with a committed checkpoint."""
         deadline = None if duration_s is None else time.monotonic() + duration_s
         o = self.opt
-        self.seq.resume(latest_checkpoint(o.lake, self.writer_id) or {})
+        self.seq.resume(self._checkpoint_to_resume())
         reader = threading.Thread(target=self._reader, name="kvlens-zmq-reader", daemon=True)
         with SegmentWriter(o.lake, "kv_events", scenario=o.scenario, writer_id=self.writer_id,
                            flush_rows=_NEVER) as kv, \
@@ -303,6 +304,28 @@ class LiveCollector:
 
     def checkpoint(self) -> dict[str, Any]:
         return self.seq.checkpoint()
+
+    def _checkpoint_to_resume(self) -> dict[str, Any]:
+        """Per publisher of our sources, the newest checkpoint any collector left for it.
+
+        The writer id names the whole replica set, so a fleet that gained or lost a replica
+        writes under a new id; reading every collector writer's last checkpoint (``live-*``)
+        and keeping, per publisher, the one with the newest engine time (then sequence: a
+        publisher restart resets the sequence, never the clock) keeps every other replica's
+        place across the change: nothing is lost or written twice.
+        """
+        endpoints = {s.endpoint for s in self.opt.sources}
+        found: dict[str, dict[str, Any]] = {}
+        for writer, cp in writer_checkpoints(self.opt.lake, "kv_events", self.opt.scenario).items():
+            if not (writer == self.writer_id or writer.startswith("live-")):
+                continue
+            for key, st in (cp.get("publishers") or {}).items():
+                if st.get("endpoint") not in endpoints:
+                    continue
+                old = found.get(key)
+                if old is None or (int(st["ts_ns"]), int(st["seq"])) > (int(old["ts_ns"]), int(old["seq"])):
+                    found[key] = st
+        return {"publishers": found}
 
     def _take_rows(self) -> None:
         """Move the decoded rows to the lake writer; rows Arrow refuses go to the quarantine."""

@@ -21,6 +21,10 @@ is skipped and counted (``ScrapeStats.skipped_samples``): ``metric_samples.value
 numbers only (kvlens.limits), so a counter sum never turns NaN. Counter
 resets are not touched here: raw values are stored and analyzers.reconcile handles resets.
 
+``FleetScraper`` follows every replica of a ``kvlens.toml`` that has a ``metrics_url``, one
+``Scraper`` (and one writer, ``scrape-<replica>``) per replica, each on its own thread of one
+process; a slow or dead endpoint delays only its own replica.
+
 A failed scrape (connection refused, timeout, an HTTP error status, a body that does not
 parse) is counted and logged, never raised; the loop keeps its interval. Memory is bounded
 by the writer's ``flush_rows`` and the body-size limit.
@@ -42,7 +46,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvlens.lake import SegmentWriter
 
-__all__ = ["DEFAULT_FAMILY_PREFIXES", "ScrapeError", "ScrapeStats", "Scraper", "fetch", "parse_exposition"]
+__all__ = [
+    "DEFAULT_FAMILY_PREFIXES", "FleetScraper", "ScrapeError", "ScrapeStats", "Scraper", "fetch",
+    "fleet_targets", "parse_exposition",
+]
 
 log = logging.getLogger(__name__)
 
@@ -181,6 +188,45 @@ class Scraper:
         finally:
             self.writer.commit()
         return self.stats
+
+
+def fleet_targets(config: str) -> list[tuple[str, str]]:
+    """(replica, metrics_url) of every replica of ``config`` with a ``metrics_url`` (checked)."""
+    from kvlens.config import check_http_url, load_config
+    from kvlens.errors import ConfigError
+
+    targets = []
+    for i, r in enumerate(load_config(config).replicas):
+        if not r.metrics_url:
+            continue
+        if not r.name:
+            raise ConfigError(f"{config} fleet.replicas[{i}]: a replica with a metrics_url needs a name "
+                              "(its samples are recorded under it)")
+        targets.append((r.name, check_http_url(r.metrics_url, f"{config} fleet.replicas[{i}]: metrics_url")))
+    if not targets:
+        raise ConfigError(f"{config}: no [[fleet.replicas]] has a metrics_url: add one, "
+                          "e.g. metrics_url = \"http://10.0.0.5:8000/metrics\"")
+    return targets
+
+
+class FleetScraper:
+    """One ``Scraper`` per (replica, url), each on its own thread; ``run`` returns when all stop."""
+
+    def __init__(self, targets: Sequence[tuple[str, str]], **options: Any) -> None:
+        self.scrapers = [Scraper(url=url, replica=replica, **options) for replica, url in targets]
+
+    def stop(self) -> None:
+        for s in self.scrapers:
+            s.stop()
+
+    def run(self, duration_s: float | None = None) -> list[ScrapeStats]:
+        threads = [threading.Thread(target=s.run, args=(duration_s,), name=f"kvlens-scrape-{s.replica}",
+                                    daemon=True) for s in self.scrapers]
+        for t in threads:
+            t.start()
+        for t in threads:  # each ends at stop() or the duration; its run commits its rows
+            t.join()
+        return [s.stats for s in self.scrapers]
 
 
 def _columns(samples: list[tuple[str, list[tuple[str, str]], float]], ts_ns: int,

@@ -140,6 +140,7 @@ WITH r AS (
            CAST(sum(hit_tokens) AS BIGINT) AS hit_tokens,
            CAST(sum(coalesce(unobserved_tokens, 0)) AS BIGINT) AS unobserved_tokens,
            CAST(sum(coalesce(reusable_tokens, 0)) AS BIGINT) AS reusable_tokens,
+           count(*) FILTER (WHERE events_incomplete) AS incomplete_requests,
            sum(prompt_tokens - coalesce(tail_partial_tokens, 0) - coalesce(unobserved_tokens, 0))
                AS observed_tokens
     FROM request_ledger WHERE scenario = $scenario AND {in_window("arrival_ns")}
@@ -156,7 +157,7 @@ SELECT r.requests, r.prompt_tokens, r.hit_tokens,
        CASE WHEN r.observed_tokens > 0
             THEN coalesce(b.hit_bytes, 0) / nullif(r.prompt_tokens * s.kv_bytes_per_token, 0) END
            AS byte_hit_ratio,
-       r.unobserved_tokens, r.reusable_tokens
+       r.unobserved_tokens, r.reusable_tokens, r.incomplete_requests
 FROM r, b, scenarios s WHERE s.scenario = $scenario
 """
 
@@ -165,7 +166,8 @@ def hit_ratios(cur: duckdb.DuckDBPyConnection, window: Window) -> dict[str, Any]
     """Per token and per byte over every prompt token (tails included) in the window:
     ``requests``, ``prompt_tokens``, ``hit_tokens``, ``token_hit_ratio``, ``hit_bytes``,
     ``prompt_bytes``, ``byte_hit_ratio`` (both None when no replica published KV events),
-    ``unobserved_tokens``, ``reusable_tokens``; empty dict when the scenario has no rows."""
+    ``unobserved_tokens``, ``reusable_tokens``, ``incomplete_requests`` (after an unfillable KV-event
+    gap: request_ledger.events_incomplete); empty dict when the scenario has no rows."""
     frame = fetch(cur, RATIOS_SQL, window.params())
     return frame.row(0, named=True) if frame.height else {}
 

@@ -120,6 +120,10 @@ def _headline_section(heads: dict[str, Headline], groups: Groups, quiet: list[st
             for w, n in groups]
     if quiet:
         said.append(f"No requests in the window for {', '.join(quiet)}.")
+    said += [f"Incomplete: {h.incomplete_requests:,} of {h.requests:,} requests of {h.scenario} arrived "
+             "after the collector lost KV-event batches of their replica that the replay could not fill "
+             "(measured: kvlens_collector_gap_batches); their ratios may be off." for h in heads.values()
+             if h.incomplete_requests]
     said += _assumption_sentences({n: found[n] for n in heads})
     note = bytes_sentence({n: found[n] for n in heads})
     if note:

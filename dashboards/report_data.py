@@ -65,6 +65,7 @@ class Headline:
     ttft_p50_ms: float | None
     ttft_p99_ms: float | None
     unobserved_tokens: int = 0
+    incomplete_requests: int = 0  # after an unfillable KV-event gap (request_ledger.events_incomplete)
 
     @property
     def observed(self) -> bool:
@@ -161,7 +162,8 @@ WITH r AS (
     SELECT scenario, count(*) AS requests, sum(prompt_tokens) AS prompt_tokens,
            sum(hit_tokens) AS hit_tokens, sum(tail_partial_tokens) AS tail_partial_tokens,
            median(ttft_ms) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
-           sum(coalesce(unobserved_tokens, 0)) AS unobserved_tokens
+           sum(coalesce(unobserved_tokens, 0)) AS unobserved_tokens,
+           count(*) FILTER (WHERE events_incomplete) AS incomplete_requests
     FROM request_ledger WHERE {_IN_WINDOW} GROUP BY scenario
 ), b AS (
     SELECT scenario, sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS hit_bytes
@@ -169,7 +171,7 @@ WITH r AS (
 )
 SELECT r.scenario, r.requests, r.prompt_tokens, r.hit_tokens, r.tail_partial_tokens,
        coalesce(b.hit_bytes, 0), r.prompt_tokens * s.kv_bytes_per_token, r.ttft_p50_ms, r.ttft_p99_ms,
-       r.unobserved_tokens
+       r.unobserved_tokens, r.incomplete_requests
 FROM r LEFT JOIN b USING (scenario) LEFT JOIN scenarios s USING (scenario) ORDER BY r.scenario
 """
 
@@ -183,7 +185,8 @@ def headlines(con: duckdb.DuckDBPyConnection, names: list[str], window: Window) 
     out = {}
     for r in rows(con, HEADLINE_SQL, _params(names, window)):
         out[r[0]] = Headline(r[0], int(r[1]), int(r[2] or 0), int(r[3] or 0), int(r[4] or 0), int(r[5]),
-                             None if r[6] is None else int(r[6]), r[7], r[8], int(r[9] or 0))
+                             None if r[6] is None else int(r[6]), r[7], r[8], int(r[9] or 0),
+                             int(r[10] or 0))
     return out
 
 

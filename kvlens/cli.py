@@ -156,13 +156,22 @@ def models_cmd() -> None:
 
 @cli.command("compact")
 @click.option("--lake", required=True, type=click.Path(file_okay=False))
-def compact_cmd(lake: str) -> None:
-    """Merge the segments of each closed day into one, atomically.
+@click.option("--keep", default=None, metavar="Nd",
+              help="Retention: first drop the raw days older than this (e.g. 30d), whole days, atomically; "
+                   "the analysis DB is not touched.")
+@click.option("--scenario", "scenarios", multiple=True,
+              help="Scenario --keep applies to (repeat); default: all.")
+def compact_cmd(lake: str, keep: str | None, scenarios: tuple[str, ...]) -> None:
+    """Merge the segments of each closed day into one, atomically; with --keep, drop old days first.
 
-    Example: kvlens compact --lake lake
+    Example: kvlens compact --lake lake --keep 30d --scenario live
     """
-    from kvlens.compact import compact
+    from kvlens.compact import compact, drop_old_days, parse_keep_days
 
+    if keep is not None:
+        dropped = drop_old_days(lake, parse_keep_days(keep), scenarios=scenarios)
+        click.echo(f"dropped {dropped['days_dropped']} days older than {keep} "
+                   f"({dropped['partitions_dropped']} partitions, {dropped['segments_dropped']} segments)")
     counts = compact(lake)
     click.echo(f"merged {counts['partitions_merged']} partitions "
                f"({counts['segments_replaced']} segments replaced)")
@@ -341,18 +350,26 @@ def probe_cmd(model: str | None, model_config: str | None, prefix_tokens: str | 
 
 @collect_group.command("scrape")
 @collect_scrape_options
-def collect_scrape_cmd(**flags: Any) -> None:
-    """Scrape an engine's Prometheus /metrics (vLLM, SGLang, LMCache) into metric_samples.
+def collect_scrape_cmd(url: str | None, replica: str | None, config: str | None, **flags: Any) -> None:
+    """Scrape engines' Prometheus /metrics (vLLM, SGLang, LMCache) into metric_samples.
 
     Example: kvlens collect scrape --url http://127.0.0.1:8000/metrics --replica replica-a --lake lake
     """
-    from kvlens.collector.collect import collect_scrape
+    from kvlens.collector.collect import collect_scrape, collect_scrape_fleet
+    from kvlens.errors import ConfigError
 
-    stats = collect_scrape(until=_stopped_by_signals, announce=_announce, **flags)
-    click.echo(f"{flags['replica']}: {stats.ok:,} scrapes, {stats.failed:,} failed, "
-               f"{stats.samples:,} samples")
-    if stats.last_error:
-        click.echo(f"last failure: {stats.last_error}", err=True)
+    if (url is None) == (config is None) or (url is None) != (replica is None):
+        raise ConfigError("give --url with --replica (one engine), or --config kvlens.toml (every replica's "
+                          "metrics_url)")
+    if config is not None:
+        each = collect_scrape_fleet(config=config, until=_stopped_by_signals, announce=_announce, **flags)
+    else:
+        each = [(str(replica), collect_scrape(url=str(url), replica=str(replica), until=_stopped_by_signals,
+                                              announce=_announce, **flags))]
+    for name, stats in each:
+        click.echo(f"{name}: {stats.ok:,} scrapes, {stats.failed:,} failed, {stats.samples:,} samples")
+        if stats.last_error:
+            click.echo(f"{name}: last failure: {stats.last_error}", err=True)
 
 
 @collect_group.command("otlp")
@@ -420,6 +437,59 @@ def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefix
 
     run_export(db, port=port, host=host, top_prefixes=top_prefixes, duration_s=duration,
                until=_stopped_by_signals, announce=_announce)
+
+
+@cli.command("serve")
+@click.option("--config", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="kvlens.toml: the fleet whose replicas are collected and scraped.")
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB kept up to date.")
+@click.option("--analyze-every", default="5m", show_default=True, metavar="DURATION",
+              help="Run kvlens analyze this often (30s, 5m, 1h).")
+@click.option("--dashboard", is_flag=True, help="Also serve the Streamlit dashboard (--dashboard-port).")
+@click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8501, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="Serve serve's own /metrics here (restarts by child, analyses run, their duration).")
+@click.option("--export-port", type=click.IntRange(1, 65535), default=9465, show_default=True,
+              help="Port of the Prometheus export of the analysis DB (kvlens export).")
+@click.option("--no-export", is_flag=True, help="Do not run the Prometheus export.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address /metrics, the export and the dashboard bind (0.0.0.0 for all).")
+@click.option("--otlp-listen", default="127.0.0.1:4318", show_default=True,
+              help="HOST:PORT of the OTLP/HTTP receiver; 'off' runs none.")
+@click.option("--gateway-listen", default="127.0.0.1:8000", show_default=True,
+              help="HOST:PORT of kvlens gateway, run when the config routes through it; 'off' runs none.")
+@click.option("--flush-seconds", type=click.FloatRange(min=0.05), default=5.0, show_default=True,
+              help="The collectors commit a segment at least this often.")
+@click.option("--scrape-interval", type=click.FloatRange(min=0.05), default=15.0, show_default=True,
+              help="Seconds between scrapes of each replica's metrics_url.")
+@click.option("--backoff-cap", type=click.FloatRange(min=0.1), default=60.0, show_default=True,
+              help="Longest wait, in seconds, before a crashed child is restarted (the wait doubles "
+                   "from 1 s).")
+def serve_cmd(config: str, lake: str, db: str, analyze_every: str, dashboard: bool, dashboard_port: int,
+              metrics_port: int | None, export_port: int, no_export: bool, host: str, otlp_listen: str,
+              gateway_listen: str, flush_seconds: float, scrape_interval: float, backoff_cap: float) -> None:
+    """Run the fleet from one config: collectors, scrapes, OTLP receiver, export, periodic analysis.
+
+    Every part is a supervised child (restarted with back-off); SIGTERM stops them all.
+
+    Example: kvlens serve --config kvlens.toml --lake lake --db kvlens.duckdb --analyze-every 5m --dashboard
+    """
+    from kvlens.collector.otlp_server import parse_listen
+    from kvlens.dashboards.report import parse_duration_ns
+    from kvlens.serve import ServeOptions, run_serve
+
+    listen = None if otlp_listen == "off" else otlp_listen
+    options = ServeOptions(config=config, lake=lake, db=db,
+                           analyze_every_s=parse_duration_ns(analyze_every) / 1e9, dashboard=dashboard,
+                           dashboard_port=dashboard_port, metrics_port=metrics_port, host=host,
+                           export_port=None if no_export else export_port, otlp_listen=listen,
+                           gateway_listen=None if gateway_listen == "off" else gateway_listen,
+                           flush_s=flush_seconds, scrape_interval_s=scrape_interval,
+                           backoff_cap_s=backoff_cap)
+    statuses = run_serve(options, otlp_address=parse_listen(listen) if listen else None,
+                         until=_stopped_by_signals, announce=_announce)
+    click.echo("stopped: " + ", ".join(f"{n} exited {s}" for n, s in statuses.items()), err=True)
 
 
 @cli.command("dashboard")

@@ -243,9 +243,12 @@ collect_vllm_options = options(
 
 # kvlens collect scrape's flags, named as collector/collect.py's collect_scrape keywords.
 collect_scrape_options = options(
-    click.option("--url", required=True,
+    click.option("--url", default=None,
                  help="The engine's metrics endpoint, e.g. http://HOST:8000/metrics."),
-    click.option("--replica", required=True, help="Replica name recorded on the rows."),
+    click.option("--replica", default=None, help="Replica name recorded on the rows (with --url)."),
+    click.option("--config", default=None, type=click.Path(dir_okay=False),
+                 help="kvlens.toml: scrape every [[fleet.replicas]] metrics_url, one thread each "
+                      "(instead of --url)."),
     click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory."),
     click.option("--interval", "interval_s", type=click.FloatRange(min=0.01), default=15.0,
                  show_default=True, help="Seconds between scrapes."),

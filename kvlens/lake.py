@@ -20,6 +20,7 @@ Layout: ``LAKE/<table>/scenario=NAME/date=YYYY-MM-DD/<writer>-<n>.parquet``.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import os
@@ -53,6 +54,7 @@ __all__ = [
     "open_lake",
     "segment_files",
     "write_scenario",
+    "writer_checkpoints",
 ]
 
 log = logging.getLogger(__name__)
@@ -359,6 +361,21 @@ def latest_checkpoint(lake: str | Path, writer: str) -> dict[str, Any] | None:
     meta = segment_schema(newest[1]).metadata or {}
     raw = meta.get(_CHECKPOINT_KEY)
     return json.loads(raw) if raw else {}
+
+
+def writer_checkpoints(lake: str | Path, table: str, scenario: str) -> dict[str, dict[str, Any]]:
+    """The checkpoint of every writer's newest segment of ``table`` in ``scenario``, by writer id
+    (a collector resuming what other writers of the same sources left: a fleet that changed)."""
+    newest: dict[str, tuple[int, Path]] = {}
+    for path in Path(lake).glob(f"{table}/scenario={glob.escape(scenario)}/date=*/*.parquet"):
+        m = _SEGMENT_RE.match(path.name)
+        if m and (m.group("writer") not in newest or int(m.group("n")) > newest[m.group("writer")][0]):
+            newest[m.group("writer")] = (int(m.group("n")), path)
+    out = {}
+    for writer, (_, path) in sorted(newest.items()):
+        raw = (segment_schema(path).metadata or {}).get(_CHECKPOINT_KEY)
+        out[writer] = json.loads(raw) if raw else {}
+    return out
 
 
 def _literal(text: str) -> str:

@@ -336,6 +336,8 @@ MISS_LEDGER = Table("miss_ledger", "analysis", "Blocks, tokens and bytes per out
     _c("blocks", "BIGINT", "blocks", "blocks"),
     _c("tokens", "BIGINT", "tokens", "tokens"),
     _c("bytes", "BIGINT", "KV bytes", "bytes"),
+    _c("events_incomplete", "BOOLEAN", "some of these blocks belong to requests with events_incomplete "
+       "(request_ledger): the collector lost KV events of their replica that its replay could not fill"),
 ))
 
 REQUEST_LEDGER = Table("request_ledger", "analysis",
@@ -362,6 +364,9 @@ REQUEST_LEDGER = Table("request_ledger", "analysis",
     _c("dominant_miss", "outcome", "the miss outcome with the most tokens; NULL for a full hit"),
     _c("ttft_ms", "DOUBLE", "time to first token", "ms"),
     _c("queue_ms", "DOUBLE", "time in queue", "ms"),
+    _c("events_incomplete", "BOOLEAN", "an unfillable gap in its replica's KV events (batches the collector "
+       "lost, metric kvlens_collector_gap_batches) began before its arrival with no cache clear since: "
+       "its outcomes may be wrong"),
 ))
 
 REQUEST_SOURCES = Table("request_sources", "analysis",

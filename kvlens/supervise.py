@@ -1,4 +1,4 @@
-"""The spine's supervisor: run a child process that dies with this one (the dashboard, later ``serve``).
+"""The spine's supervisor: child processes that die with this one (the dashboard, ``kvlens serve``).
 
 ``run_child`` starts the child in its own process group and
 
@@ -7,6 +7,10 @@
 - asks Linux to send the child SIGTERM when this process dies, however it dies (SIGKILL
   included): ``prctl(PR_SET_PDEATHSIG)`` (prctl(2)) set in the child between fork and exec, and
   the child ends itself at once if its parent was already gone by then.
+
+``Supervisor`` holds several such children by name (``kvlens serve``'s tree): each in its own
+process group with the same death signal; ``reap`` says which exited and how; ``stop_all``
+sends SIGTERM to every group at once, waits ``grace_s`` for all of them, then SIGKILLs the rest.
 
 PR_SET_PDEATHSIG fires when the *thread* that forked the child exits, so call ``run_child`` from
 the main thread (signal handlers can only be installed there anyway). On other systems the
@@ -30,7 +34,8 @@ from types import FrameType
 
 from kvlens.errors import ConfigError
 
-__all__ = ["FORWARDED", "StopScope", "check_port_free", "run_child", "stop_scope"]
+__all__ = ["FORWARDED", "StopScope", "Supervisor", "check_port_free", "exit_status", "run_child",
+           "stop_scope"]
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -61,9 +66,71 @@ def _die_with(parent: int, sig: int) -> Callable[[], None] | None:
     return preexec
 
 
-def _status(returncode: int) -> int:
+def exit_status(returncode: int) -> int:
     """A shell-style exit status: 128 + N for a child killed by signal N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+_status = exit_status
+
+
+def _spawn(cmd: Sequence[str], env: Mapping[str, str] | None) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(list(cmd), env=None if env is None else dict(env),
+                            preexec_fn=_die_with(os.getpid(), signal.SIGTERM), process_group=0)
+
+
+class Supervisor:
+    """Named children, each in its own process group, each dying with this process (module docstring).
+
+    Call it from the main thread (PR_SET_PDEATHSIG follows the forking thread).
+    """
+
+    def __init__(self, grace_s: float = 10.0) -> None:
+        self.grace_s = grace_s
+        self.children: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, cmd: Sequence[str], env: Mapping[str, str] | None = None) -> int:
+        """Start ``cmd`` as child ``name`` (which must not be running); its pid."""
+        if name in self.children:
+            raise RuntimeError(f"child {name} is already running")
+        proc = self.children[name] = _spawn(cmd, env)
+        return proc.pid
+
+    def running(self, name: str) -> bool:
+        return name in self.children
+
+    def reap(self) -> list[tuple[str, int]]:
+        """(name, exit status) of every child that has exited since the last call; they are forgotten."""
+        done = [(name, proc) for name, proc in self.children.items() if proc.poll() is not None]
+        for name, _ in done:
+            del self.children[name]
+        return [(name, exit_status(proc.returncode)) for name, proc in done]
+
+    def stop(self, name: str) -> int | None:
+        """Stop one child (SIGTERM to its group, SIGKILL after ``grace_s``); its exit status, or
+        None when it was not running."""
+        proc = self.children.pop(name, None)
+        if proc is None:
+            return None
+        _signal_group(proc, signal.SIGTERM)
+        return exit_status(_wait(proc, [signal.SIGTERM], self.grace_s))
+
+    def stop_all(self) -> dict[str, int]:
+        """SIGTERM every child's group at once, wait up to ``grace_s`` for all, SIGKILL what remains."""
+        procs, self.children = self.children, {}
+        for proc in procs.values():
+            _signal_group(proc, signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        out = {}
+        for name, proc in procs.items():
+            try:
+                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(proc, signal.SIGKILL)
+                proc.wait()
+            _signal_group(proc, signal.SIGKILL)  # whatever the child left in its group
+            out[name] = exit_status(proc.returncode)
+        return out
 
 
 def run_child(cmd: Sequence[str], *, grace_s: float = 10.0, env: Mapping[str, str] | None = None,
@@ -82,8 +149,7 @@ def run_child(cmd: Sequence[str], *, grace_s: float = 10.0, env: Mapping[str, st
 
     previous = {sig: signal.signal(sig, forward) for sig in FORWARDED}
     try:
-        proc = subprocess.Popen(list(cmd), env=None if env is None else dict(env),
-                                preexec_fn=_die_with(os.getpid(), signal.SIGTERM), process_group=0)
+        proc = _spawn(cmd, env)
         if asked:  # a signal came while the child was starting
             _signal_group(proc, asked[-1])
         if on_start is not None:

@@ -83,6 +83,8 @@ CASES: list[tuple[str, str, str]] = [
     ("simulate-unknown-source", "simulate --lake {lake} --from nope --scenario x --replicas 2", "nope"),
     ("compact-damaged-segment", "compact --lake {compactable}", "move it out of the lake"),
     ("compact-missing-lake", "compact --lake {tmp}/nope", "nope"),
+    ("compact-keep-not-days", "compact --lake {lake} --keep 30", "whole days"),
+    ("compact-keep-zero", "compact --lake {lake} --keep 0d", "whole days"),
     # collectors
     ("vllm-no-endpoint", "collect vllm --lake {tmp}/l5", "--endpoint"),
     ("vllm-bad-endpoint", "collect vllm --endpoint nonsense --lake {tmp}/l5", "ZMQ endpoint"),
@@ -97,6 +99,18 @@ CASES: list[tuple[str, str, str]] = [
     ("otlp-listen-in-use", "collect otlp --listen 127.0.0.1:{busy} --lake {tmp}/l6 --duration 0.1",
      "listen"),
     ("scrape-bad-url", "collect scrape --url nonsense --replica r --lake {tmp}/l7 --duration 0.1", "--url"),
+    ("scrape-url-and-config", "collect scrape --url http://h/m --replica r --config {tmp}/k.toml "
+     "--lake {tmp}/l7", "--config"),
+    ("scrape-config-without-metrics", "collect scrape --config {fleet} --lake {tmp}/l7", "metrics_url"),
+    # serve
+    ("serve-missing-config", "serve --config {tmp}/none.toml --lake {tmp}/l8 --db {tmp}/k.duckdb",
+     "none.toml"),
+    ("serve-bad-period", "serve --config {fleet} --lake {tmp}/l8 --db {tmp}/k.duckdb --analyze-every soon",
+     "soon"),
+    ("serve-otlp-in-use", "serve --config {fleet} --lake {tmp}/l8 --db {tmp}/k.duckdb "
+     "--otlp-listen 127.0.0.1:{busy}", "--otlp-listen"),
+    ("serve-export-in-use", "serve --config {fleet} --lake {tmp}/l8 --db {tmp}/k.duckdb --otlp-listen off "
+     "--export-port {busy}", "--export-port"),
     # readers of the analysis DB
     ("report-db-not-duckdb", "report --db {notdb} --out {tmp}/r.html", "not a DuckDB file"),
     ("report-db-not-analysis", "report --db {duck} --out {tmp}/r.html", "request_ledger"),
@@ -134,6 +148,8 @@ def places(tmp_path: Path, mooncake3: Path) -> Iterator[dict[str, str]]:
                           ("bad", "{not json\n")):
         (tmp_path / name).write_text(content)
         p[name] = tmp_path / name
+    p["fleet"] = tmp_path / "fleet.toml"
+    p["fleet"].write_text('[[fleet.replicas]]\nname = "a"\nendpoint = "tcp://127.0.0.1:5557"\n')
     p["duck"] = tmp_path / "plain.duckdb"
     duckdb.connect(str(p["duck"])).close()
     with socket.socket() as busy:

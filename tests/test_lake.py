@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from kvlens.compact import compact
+from kvlens.compact import compact, drop_old_days, parse_keep_days
 from kvlens.errors import ConfigError, SchemaVersionError
 from kvlens.lake import SegmentWriter, latest_checkpoint, open_lake, segment_files
 from kvlens.schema import LAKE_TABLES, TABLES
@@ -166,6 +166,40 @@ def test_compact_merges_closed_days_keeps_rows_and_checkpoint(tmp_path: Path) ->
     con = _views(tmp_path)
     assert con.execute("SELECT sum(block_hash), count(*) FROM kv_events").fetchone() == (6, 5)
     assert latest_checkpoint(tmp_path, "c") == {"seq": 9}
+
+
+def test_retention_drops_whole_old_days_keeps_checkpoints_and_today(tmp_path: Path) -> None:
+    # days 0..40 of 1970 (1970-01-01 .. 1970-02-10) in two tables and two scenarios
+    for scenario in ("live", "conv"):
+        kv = SegmentWriter(tmp_path, "kv_events", scenario=scenario, writer_id="live-a")
+        reqs = SegmentWriter(tmp_path, "requests", scenario=scenario, writer_id="imp")
+        for day in (1, 5, 30, 31, 40):
+            kv.append_rows([{"ts_ns": day * DAY + 7, "kind": "stored", "block_hash": day}])
+            kv.flush({"seq": day})
+            reqs.append_rows([{"request_id": f"{scenario}-{day}", "arrival_ns": day * DAY + 9}])
+            reqs.flush()
+        kv.flush({"seq": 99})  # an empty segment: the checkpoint only, dated 1970-01-01
+    counts = drop_old_days(tmp_path, 10, scenarios=("live",), today="1970-02-10")
+    # today is day 40; days before day 30 (1970-01-31) go: 2 days x 2 tables of scenario live
+    assert counts == {"days_dropped": 2, "partitions_dropped": 4, "segments_dropped": 4}
+    con = _views(tmp_path)
+    got = con.execute("SELECT scenario, list(block_hash ORDER BY block_hash) FROM kv_events "
+                      "GROUP BY 1 ORDER BY 1").fetchall()
+    assert got == [("conv", [1, 5, 30, 31, 40]), ("live", [30, 31, 40])]
+    assert con.execute("SELECT count(*) FROM requests WHERE scenario = 'live'").fetchone() == (3,)
+    assert latest_checkpoint(tmp_path, "live-a") == {"seq": 99}  # the checkpoint segment stayed
+    assert not (tmp_path / "requests" / "scenario=live" / "date=1970-01-06").exists()
+    assert not list(tmp_path.glob(".staging/*")) and not list(tmp_path.glob(".trash/*"))
+    assert drop_old_days(tmp_path, 10, scenarios=("live",), today="1970-02-10")["days_dropped"] == 0
+    assert drop_old_days(tmp_path, 1, today="1970-02-10")["days_dropped"] == 4  # conv too; never today
+    assert con.execute("SELECT list(DISTINCT block_hash) FROM kv_events").fetchone() == ([40],)
+
+
+@pytest.mark.parametrize("text", ["0d", "30", "1w", "-3d"])
+def test_keep_takes_whole_days(text: str) -> None:
+    with pytest.raises(ConfigError, match="whole days"):
+        parse_keep_days(text)
+    assert parse_keep_days("30d") == 30
 
 
 def test_every_lake_table_round_trips_its_declared_types(tmp_path: Path) -> None:

@@ -263,6 +263,27 @@ def test_hand_request_ledger(lake_con: duckdb.DuckDBPyConnection) -> None:
     assert per.filter(pl.col("request_id") == "R0")["dominant_miss"].to_list() == [None]
 
 
+def test_dominant_miss_tie_is_decided_the_same_way_in_any_row_order() -> None:
+    """Two misses with equal tokens: the dominant one must not depend on the order rows arrive in
+    (it did: arg_max keeps whichever tied row it met first, so two analyses of one lake differed)."""
+    outcomes = ["miss_evicted", "miss_cold"] * 4 + ["hit_local"] * 2
+    frame = pl.DataFrame({"request_id": ["R"] * len(outcomes), "outcome": outcomes,
+                          "tokens": [16] * len(outcomes), "reusable": [False] * len(outcomes),
+                          "origin": ["gpu"] * len(outcomes)})
+    con = duckdb.connect()
+    con.register("reqs", pl.DataFrame({"scenario": ["s"], "replica": ["A"], "request_id": ["R"],
+                                       "arrival_ns": [1], "prompt_tokens": [160], "cached_tokens": [None],
+                                       "ttft_ms": [None], "queue_ms": [None]},
+                                      schema_overrides={"cached_tokens": pl.Int64, "ttft_ms": pl.Float64,
+                                                        "queue_ms": pl.Float64}))
+    seen = set()
+    for seed in range(12):
+        shuffled = frame.sample(fraction=1.0, shuffle=True, seed=seed)
+        per = request_ledger(block_outcomes=shuffled, requests=con.table("reqs"), scenario="s")
+        seen.add(per["dominant_miss"].item())
+    assert seen == {"miss_cold"}  # the tie goes to the first name in order
+
+
 def test_clear_events(lake_con: duckdb.DuckDBPyConnection) -> None:
     out = _outcomes(lake_con, "clear")
     assert _as_rows(out) == [tuple(r) for r in CLEAR_EXPECTED]

@@ -392,3 +392,55 @@ def test_fleet_config(tmp_path: Path) -> None:
     toml.write_text('[[fleet.replicas]]\nendpoint = "nowhere"\n')
     with pytest.raises(ConfigError, match="endpoint"):
         load_config(toml)
+
+
+def _joined(e: FakeEngine) -> None:
+    """Wait for a subscription (XPUB also hands over the unsubscriptions stopped collectors left)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if e.pub.poll(100) and e.pub.recv()[:1] == b"\x01":
+            return
+    raise TimeoutError("no subscriber joined")
+
+
+def test_fleet_change_keeps_every_other_replicas_checkpoint(ctx: zmq.Context[Any], tmp_path: Path) -> None:
+    """A replica added, then one removed: the writer id changes each time (it names the replica
+    set), and every replica that stays resumes from its own checkpoint: no batch lost or doubled."""
+    lake = tmp_path / "lake"
+    engines = {name: FakeEngine(ctx, b"t") for name in ("a", "b", "c")}
+    for e in engines.values():  # every subscription, even one the last collector's still covers
+        e.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
+    streams = {name: Stream(e, name, "vllm033") for name, e in engines.items()}
+    src = {name: Source(e.endpoint, e.replay, name) for name, e in engines.items()}
+    got = "kvlens_collector_received_batches_total"
+
+    def run_with(names: str, live: dict[str, int], backlog: dict[str, int]) -> None:
+        """Follow ``names``; wait for each replica's ``backlog`` (replayed) then send ``live`` batches."""
+        run = Running(ctx, lake, [src[n] for n in names])
+        try:
+            for n in names:
+                _joined(engines[n])
+            for n, count in backlog.items():
+                _wait(lambda n=n, count=count: run.value(got, replica=n) == count)  # type: ignore[misc]
+            for n, count in live.items():
+                for i in range(count):
+                    streams[n].batch([1000 * ord(n) + len(streams[n].expected) + i])
+                _wait(lambda n=n, count=count: run.value(got, replica=n) == backlog.get(n, 0) + count)  # type: ignore[misc]
+        finally:
+            run.stop()
+        assert run.value("kvlens_collector_duplicate_batches_total", replica="a") == 0
+
+    try:
+        run_with("ab", {"a": 3, "b": 2}, {})
+        for n in "ab":
+            streams[n].batch([7000 + ord(n)])  # published while nothing collects: only the rings hold them
+        run_with("abc", {"a": 1, "c": 2}, {"a": 1, "b": 1})  # c joins
+        streams["a"].batch([8000])
+        run_with("ac", {"a": 1, "c": 1}, {"a": 1})  # b leaves; a and c keep their places
+    finally:
+        for e in engines.values():
+            e.close()
+    rows = _query(lake, "SELECT replica, seq, kind, block_hash FROM kv_events")
+    expected = [r for s in streams.values() for r in s.expected]
+    assert sorted(rows, key=str) == sorted(expected, key=str)
+    assert _query(lake, "SELECT count(*) FROM metric_samples") == [(0,)]  # nothing was lost

@@ -164,3 +164,32 @@ def test_non_finite_values_are_skipped_and_counted(tmp_path: Path) -> None:
     assert scraper.scrape_once() == 1
     scraper.writer.commit()
     assert scraper.stats.skipped_samples == 2
+
+
+def test_cli_scrape_config_follows_every_replicas_metrics_url(tmp_path: Path) -> None:
+    servers = [_Server(), _Server()]
+    try:
+        servers[1].replies = [(200, RESTARTED.encode(), 0.0)]
+        config = tmp_path / "kvlens.toml"
+        config.write_text("".join(
+            f'[[fleet.replicas]]\nname = "r{i}"\nendpoint = "tcp://127.0.0.1:{5557 + i}"\n'
+            f'metrics_url = "{s.url}"\n' for i, s in enumerate(servers))
+            + '[[fleet.replicas]]\nname = "no-metrics"\nendpoint = "tcp://127.0.0.1:5600"\n')
+        lake = tmp_path / "lake"
+        result = CliRunner().invoke(cli, ["collect", "scrape", "--config", str(config), "--lake", str(lake),
+                                          "--interval", "0.05", "--duration", "0.3"])
+        assert result.exit_code == 0, result.output
+        assert servers[0].hits >= 2 and servers[1].hits >= 2
+    finally:
+        for s in servers:
+            s.close()
+    con = duckdb.connect()
+    open_lake(con, lake)
+    values = dict(con.execute("SELECT replica, max(value) FROM metric_samples "
+                              "WHERE name = 'vllm:prefix_cache_queries_total' GROUP BY 1").fetchall())
+    assert values == {"r0": 104998.0, "r1": 500.0}
+
+
+def test_cli_scrape_needs_url_or_config(tmp_path: Path) -> None:
+    result = CliRunner().invoke(cli, ["collect", "scrape", "--lake", str(tmp_path / "lake")])
+    assert result.exit_code == 1 and "--config kvlens.toml" in result.output

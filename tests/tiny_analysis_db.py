@@ -58,7 +58,8 @@ def make_tiny_db(path: Path) -> Path:
     con.executemany("INSERT INTO block_outcomes (scenario, request_id, replica, arrival_ns, position, "
                     "block_hash, outcome, tokens, bytes, holder) VALUES (?, ?, ?, ?, ?, ?, ?, 100, 1000, ?)",
                     _BLOCKS)
-    con.execute("INSERT INTO miss_ledger SELECT scenario, replica, outcome, count(*), sum(tokens), "
+    con.execute("INSERT INTO miss_ledger (scenario, replica, outcome, blocks, tokens, bytes) "
+                "SELECT scenario, replica, outcome, count(*), sum(tokens), "
                 "sum(bytes) FROM block_outcomes GROUP BY ALL")
     con.executemany("INSERT INTO request_ledger (scenario, replica, request_id, arrival_ns, prompt_tokens, "
                     "hit_tokens, recomputed_last_tokens, miss_tokens, tail_partial_tokens, dominant_miss, "

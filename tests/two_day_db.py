@@ -78,7 +78,8 @@ def make_two_day_db(path: Path) -> Path:
                 "ttft_ms) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, 0, ?)",
                 [scenario, replica, request, arrival, prompt, hit, prompt - tail - hit, tail,
                  ttft * (0.5 if scenario == "prod-cache" and arrival >= DAY1_NS else 1.0)])
-    con.execute("INSERT INTO miss_ledger SELECT scenario, replica, outcome, count(*), sum(tokens), "
+    con.execute("INSERT INTO miss_ledger (scenario, replica, outcome, blocks, tokens, bytes) "
+                "SELECT scenario, replica, outcome, count(*), sum(tokens), "
                 "sum(bytes) FROM block_outcomes GROUP BY ALL")
     con.close()
     return path

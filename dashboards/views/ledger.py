@@ -67,6 +67,11 @@ def _headline(ctx: Context) -> None:
                 "(outcome unobserved): whether they were cached is unknown. An unbounded cache could have "
                 f"served {fmt_ratio(reusable)} of all prompt tokens (modelled: every full block an earlier "
                 "request needed).")
+    if ratios.get("incomplete_requests"):
+        st.warning(f"Incomplete: {ratios['incomplete_requests']:,} of {ratios['requests']:,} requests "
+                   "arrived after the collector lost KV-event batches of their replica that the engine's "
+                   "replay no longer held (measured: kvlens_collector_gap_batches); their outcomes, and the "
+                   "ratios above, may be off until that replica's cache was cleared.")
     if worst:
         where = f"{worst['replica']}, " + (
             "whole scenario" if worst["window"] is None else f"{worst['window']:%H:%M}"
