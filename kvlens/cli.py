@@ -616,6 +616,59 @@ def collect_otlp_cmd(listen: str, lake: str, duration: float | None, max_body_by
                f"{m.value('kvlens_otlp_written_rows_total'):,.0f} rows written")
 
 
+@cli.command("gateway")
+@click.option("--config", required=True, type=click.Path(dir_okay=False),
+              help="kvlens.toml: the [[fleet.replicas]] to front (each with its url).")
+@click.option("--listen", default="127.0.0.1:8000", show_default=True,
+              help="HOST:PORT the OpenAI-compatible API is served on (loopback unless told otherwise).")
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--routing", type=click.Choice(["round_robin", "random", "session_affinity", "prefix_hash",
+                                              "cache_aware"]), default="round_robin", show_default=True,
+              help="How a request picks its replica (the simulator's policies).")
+@click.option("--load-factor", type=float, default=None,
+              help="cache_aware's load fallback: above K x the mean in-flight count, the least loaded.")
+@click.option("--otlp-endpoint", default=None,
+              help="OTLP/HTTP collector for the gateway's own spans, e.g. http://127.0.0.1:4318.")
+@click.option("--keep-tokens", is_flag=True, help="Keep the blocks' token ids in request_blocks.token_ids.")
+@click.option("--flush-seconds", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Commit recorded requests at least this often (what a kill -9 can lose).")
+@click.option("--flush-requests", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="... and at least every this many requests.")
+@click.option("--scenario", default="live", show_default=True, help="Scenario the requests are written to.")
+@click.option("--duration", type=float, default=None, help="Stop after this many seconds (default: never).")
+def gateway_cmd(config: str, listen: str, lake: str, routing: str, load_factor: float | None,
+                otlp_endpoint: str | None, keep_tokens: bool, flush_seconds: float, flush_requests: int,
+                scenario: str, duration: float | None) -> None:
+    """Serve an OpenAI-compatible proxy in front of the fleet that records every request's prompt blocks.
+
+    Example: kvlens gateway --config kvlens.toml --listen 127.0.0.1:8000 --lake lake --routing cache_aware
+    """
+    import threading
+
+    from kvlens.collector.gateway_server import Gateway, GatewayOptions
+    from kvlens.collector.otlp_server import parse_listen
+    from kvlens.config import check_http_url, load_config
+
+    host, port = parse_listen(listen)
+    if otlp_endpoint:
+        check_http_url(otlp_endpoint, "--otlp-endpoint")
+    options = GatewayOptions(replicas=load_config(config).replicas, lake=lake, routing=routing,
+                             load_factor=load_factor, otlp_endpoint=otlp_endpoint, keep_tokens=keep_tokens,
+                             scenario=scenario, flush_age_s=flush_seconds, flush_requests=flush_requests)
+    gateway = Gateway(options, host, port).start()
+    click.echo(f"gateway on http://{host}:{gateway.port} for {len(options.replicas)} replica(s), "
+               f"routing {routing}, into {lake}", err=True)
+    stop = threading.Event()
+    try:
+        with _stopped_by_signals(stop.set):
+            stop.wait(duration)
+    finally:
+        gateway.stop()
+    m = gateway.metrics
+    click.echo(f"{m.value('kvlens_gateway_rows_written_total', table='requests'):,.0f} requests recorded, "
+               f"{m.value('kvlens_gateway_rows_written_total', table='request_blocks'):,.0f} blocks")
+
+
 def _parse_now(value: str | None) -> int | None:
     from datetime import UTC, datetime
 

@@ -1,0 +1,99 @@
+"""Collector (kvlens gateway): the front door, a running gateway (its event loop in a thread of its own).
+
+``Gateway(options, host, port).start()`` binds the listening socket (port 0: any free port;
+``.port`` says which), starts the lake writer and, for ``cache_aware``, the replicas' KV-event
+subscriptions; ``stop()`` finishes the requests in flight for up to ``grace_s``, commits what was
+recorded and closes everything it opened. The CLI (``kvlens gateway``), the tests and the
+benchmark use the same class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any
+
+from aiohttp import web
+
+from kvlens.collector.gateway_events import ResidentBlocks
+from kvlens.collector.gateway_proxy import GatewayOptions, GatewayProxy
+from kvlens.errors import ConfigError
+from kvlens.schema import RoutingPolicy
+
+__all__ = ["Gateway", "GatewayOptions", "check_options"]
+
+
+def check_options(options: GatewayOptions) -> None:
+    """A ConfigError for a fleet the gateway cannot front."""
+    if not options.replicas:
+        raise ConfigError("the config lists no [[fleet.replicas]]: add each replica with its url")
+    missing = [r.name or str(i) for i, r in enumerate(options.replicas) if not r.url]
+    if missing:
+        raise ConfigError(f"replica(s) {', '.join(missing)} have no url: give each [[fleet.replicas]] its "
+                          "OpenAI API, e.g. url = \"http://10.0.0.5:8000\"")
+
+
+class Gateway:
+    def __init__(self, options: GatewayOptions, host: str = "127.0.0.1", port: int = 0, *,
+                 grace_s: float = 30.0) -> None:
+        check_options(options)
+        self.options, self.host, self.requested_port, self.grace_s = options, host, port, grace_s
+        cache_aware = options.routing == RoutingPolicy.CACHE_AWARE
+        self.resident = ResidentBlocks(options.replicas) if cache_aware else None
+        self.proxy = GatewayProxy(options, matched=self.resident.matched if self.resident else None)
+        self.port = 0
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._done: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def metrics(self) -> Any:
+        return self.proxy.metrics
+
+    def start(self, timeout_s: float = 30.0) -> Gateway:
+        if self.resident is not None:
+            self.resident.start()
+        self._thread = threading.Thread(target=self._run, name="kvlens-gateway", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout_s):
+            raise ConfigError(f"the gateway did not start listening on {self.host}:{self.requested_port} "
+                              f"within {timeout_s:.0f} s")
+        if self._error is not None:
+            self.stop()
+            raise ConfigError(f"cannot listen on {self.host}:{self.requested_port}: {self._error}; "
+                              "pick a free port with --listen") from None
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._done is not None:
+            self._loop.call_soon_threadsafe(self._done.set)
+        if self._thread is not None:
+            self._thread.join(self.grace_s + 60)
+        if self.resident is not None:
+            self.resident.stop()
+
+    def _run(self) -> None:
+        asyncio.run(self._main())
+
+    async def _main(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._done = asyncio.Event()
+        self._runner = web.AppRunner(self.proxy.app, access_log=None, shutdown_timeout=self.grace_s)
+        try:
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, self.host, self.requested_port)
+            await site.start()
+            self.port = int(self._runner.addresses[0][1])
+        except OSError as e:
+            self._error = e
+            self._ready.set()
+            await self._runner.cleanup()
+            return
+        self._ready.set()
+        try:
+            await self._done.wait()
+        finally:
+            await self._runner.cleanup()
