@@ -293,3 +293,53 @@ def test_cache_aware_choice_is_the_simulators_rule() -> None:
     # the load fallback: 9 in flight > 1.5 x the mean of 5
     assert cache_aware_choice([9, 0], [9, 1], 10, load_factor=1.5) == (1, "load_fallback")
     assert cache_aware_choice([9, 0], [9, 1], 10, load_factor=2.0) == (0, "longest_prefix")
+
+
+def test_the_cli_says_what_is_wrong_in_one_line(tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from kvlens.cli import cli
+
+    config = tmp_path / "kvlens.toml"
+    config.write_text('[[fleet.replicas]]\nname = "a"\nendpoint = "tcp://127.0.0.1:5557"\n')
+    result = CliRunner().invoke(cli, ["gateway", "--config", str(config), "--listen", "127.0.0.1:0",
+                                      "--lake", str(tmp_path / "lake")])
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines()[-1].startswith("Error: replica(s) a have no url")
+
+
+def _recorded(i: int) -> Any:
+    from kvlens.collector.gateway_writer import Recorded
+
+    return Recorded({"request_id": f"q{i}", "arrival_ns": 1_700_000_000_000_000_000 + i, "prompt_tokens": 4},
+                    [{"request_id": f"q{i}", "arrival_ns": 1_700_000_000_000_000_000 + i, "position": 0,
+                      "block_hash": i, "block_tokens": 4, "block_size_tokens": 4}])
+
+
+def test_a_full_writer_pushes_back_and_the_size_bound_commits(tmp_path: Path) -> None:
+    import threading
+
+    from kvlens.collector.gateway_writer import RequestWriter
+
+    written: list[tuple[str, int]] = []
+    committed = threading.Event()
+
+    def on_written(table: str, n: int) -> None:
+        written.append((table, n))
+        if table == "requests":
+            committed.set()
+
+    writer = RequestWriter(tmp_path / "lake", scenario="live", writer_id="gw-test", flush_age_s=3600,
+                           flush_requests=3, queue_requests=2, on_written=on_written)
+    assert writer.offer(_recorded(0)) and writer.offer(_recorded(1))
+    assert not writer.offer(_recorded(2))  # full: the proxy then waits in put()
+    assert not writer.put(_recorded(2), timeout_s=0.05)
+    assert writer.depth == 2
+    writer.start()
+    assert writer.put(_recorded(2), timeout_s=30)  # the thread drains the queue
+    assert committed.wait(30)  # three requests: the size bound commits, long before the hour
+    assert written == [("request_blocks", 3), ("requests", 3)]  # blocks first
+    assert _rows(tmp_path, "SELECT count(*) FROM requests") == [(3,)]
+    writer.put(_recorded(3))
+    writer.stop()  # the rest at stop
+    assert _rows(tmp_path, "SELECT count(*) FROM requests") == [(4,)]
