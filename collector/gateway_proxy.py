@@ -10,11 +10,15 @@ its ``request_blocks`` rows for the lake (collector/gateway_writer.py) and emits
 (collector/gateway_telemetry.py). ``GET /v1/models`` is forwarded to the first replica that
 answers; ``GET /health`` answers 200 while the gateway runs; ``GET /metrics`` is its own.
 
-Recorded per request: the answer's ``id`` as ``request_id``, arrival at the gateway, the replica,
+Recorded per request: the answer's ``id`` as ``request_id``; as ``arrival_ns`` the moment the gateway
+sent it to the replica (not the moment it reached the gateway: a request that waits for /tokenize
+must not read as arriving before one sent ahead of it, since the ledger orders each replica's
+look-ups by arrival); the replica,
 the model, the session (the ``X-Session-Id`` header, else the body's ``user``), usage as the
 replica reported it (``prompt_tokens``, ``completion_tokens``, ``prompt_tokens_details.cached_tokens``;
 vLLM reports the last only with ``--enable-prompt-tokens-details``), and for a streamed answer the
-first token's time at the gateway (``ttft_ms``; a whole JSON answer has no first-token moment the
+first token's time at the gateway (``ttft_ms``, from the request reaching the gateway, as its client
+saw it; a whole JSON answer has no first-token moment the
 gateway can see, so its ``ttft_ms`` is NULL and ``end_ns`` is set). A request is forwarded but not
 recorded when its prompt cannot be tokenized alone, the replica answered an error, or usage is
 missing or disagrees with the token count (``kvlens_gateway_unrecorded_total`` says why).
@@ -96,6 +100,7 @@ class _Call:
     session: str | None
     tokens: list[int] | None = None
     decision: Decision | None = None
+    sent_ns: int = 0  # when it was sent to the replica: the requests row's arrival_ns
     status: int | None = None  # the replica's answer, once forwarded
     seen: Observed = field(default_factory=Observed)
     end_ns: int = 0
@@ -253,6 +258,7 @@ class GatewayProxy:
         seen = Observed()
         self.router.begin(r)
         self.metrics.in_flight.labels(name).inc()
+        call.sent_ns = time.time_ns()
         try:
             async with self._session.post(f"{self.replicas[r].url}{call.path}", data=raw,
                                           headers=_forward_headers(request)) as up:
@@ -311,7 +317,7 @@ class GatewayProxy:
             return
         row = self._request_row(call, seen, end_ns, usage)
         hashes = self._hashes(call, r, {})
-        blocks = block_rows(row["request_id"], call.arrival_ns, call.tokens, hashes,
+        blocks = block_rows(row["request_id"], call.sent_ns, call.tokens, hashes,
                             self.replicas[r].block_size, row["model"], keep_tokens=self.options.keep_tokens)
         item = Recorded(row, blocks)
         if not self.writer.offer(item):  # full: wait for room (back-pressure), off the event loop
@@ -324,7 +330,7 @@ class GatewayProxy:
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
         first = seen.first_token_ns
-        return {"request_id": seen.response_id or f"gw-{uuid.uuid4().hex}", "arrival_ns": call.arrival_ns,
+        return {"request_id": seen.response_id or f"gw-{uuid.uuid4().hex}", "arrival_ns": call.sent_ns,
                 "first_token_ns": first, "end_ns": end_ns, "replica": self.names[call.decision.replica],
                 "model": replica.model or _str(call.body.get("model")), "session_id": call.session,
                 "prompt_tokens": usage["prompt_tokens"],

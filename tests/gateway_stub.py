@@ -6,7 +6,8 @@ or chat messages -> ``{"count", "max_model_len", "tokens"}``), ``/v1/completions
 ``stream_options.include_usage``), ``/v1/models``, ``/health``. Its prefix cache remembers every
 full block it has seen (vLLM's hashes, kvlens's hasher) and reports ``cached_tokens`` as vLLM
 does (at least one prompt token is computed). With ``publish`` it sends each request's new
-blocks as a vLLM ``BlockStored`` batch on a ZMQ PUB socket. A prompt ``"fail"`` is answered 400.
+blocks as a vLLM ``BlockStored`` batch on a ZMQ PUB socket. A prompt ``"fail"`` is answered 400;
+tokenizing ``"slow"`` waits for the test's ``release``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class StubEngine(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.bodies: list[tuple[str, dict[str, Any]]] = []
         self.n = 0
+        # a /tokenize of the prompt "slow" signals ``slow_seen`` and waits for ``release`` (tests)
+        self.slow_seen, self.release = threading.Event(), threading.Event()
         self._ctx: zmq.Context[Any] | None = None
         self._pub: zmq.Socket[Any] | None = None
         self.endpoint = "tcp://127.0.0.1:1"
@@ -139,6 +142,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         with self.server.lock:
             self.server.bodies.append((self.path, body))
+        if self.path == "/tokenize" and body.get("prompt") == "slow":
+            self.server.slow_seen.set()
+            self.server.release.wait(30)
         if self.path == "/tokenize":
             tokens = stub_tokens(_chat_text(body) if "messages" in body else body["prompt"])
             self._send(200, {"count": len(tokens), "max_model_len": 2048, "tokens": tokens})

@@ -343,3 +343,25 @@ def test_a_full_writer_pushes_back_and_the_size_bound_commits(tmp_path: Path) ->
     writer.put(_recorded(3))
     writer.stop()  # the rest at stop
     assert _rows(tmp_path, "SELECT count(*) FROM requests") == [(4,)]
+
+
+def test_arrival_is_when_the_replica_was_sent_the_request_so_look_ups_keep_the_engines_order(
+        tmp_path: Path) -> None:
+    """A request held up by /tokenize reaches the engine after one sent ahead of it: the ledger orders
+    look-ups by arrival_ns, so arrival_ns must keep the engine's order (the gateway's receipt does not)."""
+    import threading
+
+    with fleet(tmp_path, n=1, routing="prefix_hash") as (gw, stubs):
+        slow = threading.Thread(target=_post, args=(_url(gw, "/v1/completions"), {"model": "tiny",
+                                                                                  "prompt": "slow"}))
+        slow.start()
+        try:
+            assert stubs[0].slow_seen.wait(30)  # the slow request is at the gateway, tokenizing
+            assert _post(_url(gw, "/v1/completions"), {"model": "tiny", "prompt": [5, 6, 7, 8, 9]})[0] == 200
+        finally:
+            stubs[0].release.set()
+            slow.join(30)
+        served = [b["prompt"] for p, b in stubs[0].bodies if p == "/v1/completions"]
+    assert served == [[5, 6, 7, 8, 9], "slow"]  # the engine got the token prompt first
+    order = _rows(tmp_path, "SELECT request_id FROM requests ORDER BY arrival_ns")
+    assert order == [("cmpl-e0-1",), ("cmpl-e0-2",)]
