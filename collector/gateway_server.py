@@ -11,16 +11,21 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 
 from kvlens.collector.gateway_events import ResidentBlocks
 from kvlens.collector.gateway_proxy import GatewayOptions, GatewayProxy
+from kvlens.config import check_http_url, load_config
 from kvlens.errors import ConfigError
 from kvlens.schema import RoutingPolicy
+from kvlens.supervise import StopScope, stop_scope
 
-__all__ = ["Gateway", "GatewayOptions", "check_options"]
+__all__ = ["Gateway", "GatewayOptions", "GatewayResult", "check_options", "serve_gateway"]
 
 
 def check_options(options: GatewayOptions) -> None:
@@ -97,3 +102,45 @@ class Gateway:
             await self._done.wait()
         finally:
             await self._runner.cleanup()
+
+
+@dataclass(frozen=True)
+class GatewayResult:
+    """What ``serve_gateway`` committed to the lake."""
+
+    requests: int
+    blocks: int
+
+
+def _quiet(_line: str) -> None:
+    pass
+
+
+def serve_gateway(lake: str | Path, *, config: str | Path, listen: str = "127.0.0.1:8000",
+                  routing: str = RoutingPolicy.ROUND_ROBIN.value, load_factor: float | None = None,
+                  otlp_endpoint: str | None = None, keep_tokens: bool = False, flush_s: float = 1.0,
+                  flush_requests: int = 1024, scenario: str = "live", duration_s: float | None = None,
+                  until: StopScope | None = None,
+                  announce: Callable[[str], object] = _quiet) -> GatewayResult:
+    """``kvlens gateway``'s front door: the fleet of ``config`` fronted on ``listen`` until its duration or
+    a stop (``until``: the CLI turns SIGTERM/SIGINT into one), every recorded request in ``lake``."""
+    from kvlens.collector.otlp_server import parse_listen
+
+    host, port = parse_listen(listen)
+    if otlp_endpoint:
+        check_http_url(otlp_endpoint, "--otlp-endpoint")
+    options = GatewayOptions(replicas=load_config(config).replicas, lake=str(lake), routing=routing,
+                             load_factor=load_factor, otlp_endpoint=otlp_endpoint, keep_tokens=keep_tokens,
+                             scenario=scenario, flush_age_s=flush_s, flush_requests=flush_requests)
+    gateway = Gateway(options, host, port).start()
+    announce(f"gateway on http://{host}:{gateway.port} for {len(options.replicas)} replica(s), "
+             f"routing {routing}, into {lake}")
+    stop = threading.Event()
+    try:
+        with stop_scope(until, stop.set):
+            stop.wait(duration_s)
+    finally:
+        gateway.stop()
+    m = gateway.metrics
+    return GatewayResult(int(m.value("kvlens_gateway_rows_written_total", table="requests")),
+                         int(m.value("kvlens_gateway_rows_written_total", table="request_blocks")))

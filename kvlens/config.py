@@ -30,6 +30,7 @@ CLI flags override what the file says.
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,8 @@ from urllib.parse import urlsplit
 
 from kvlens.errors import ConfigError
 
-__all__ = ["Config", "ReplicaConfig", "SmtpConfig", "check_http_url", "check_zmq_endpoint", "load_config"]
+__all__ = ["Config", "ReplicaConfig", "SmtpConfig", "check_http_url", "check_zmq_endpoint", "load_config",
+           "merge_flags"]
 
 
 def check_http_url(url: str, where: str) -> str:
@@ -208,3 +210,25 @@ def load_config(path: str | Path) -> Config:
         raise ConfigError(f"{p}: replica names repeat: {sorted(names)}; give each its own name")
     smtp = _smtp(raw["smtp"], f"{p} [smtp]") if "smtp" in raw else None
     return Config(replicas=replicas, smtp=smtp, raw=raw)
+
+
+def merge_flags(flags: Mapping[str, Any], file: Mapping[str, Any], defaults: Mapping[str, Any] | None = None,
+                *, together: Iterable[tuple[str, ...]] = ()) -> dict[str, Any]:
+    """Flags over ``kvlens.toml``: each setting is its flag's value when the flag was given (not None),
+    else the file's (when not None), else ``defaults``' (else None).
+
+    The names of a ``together`` group come from one place: from the flags when any of them was
+    given, else all from the file (a --user never pairs with the file's password_env).
+    """
+    defaults = defaults or {}
+    merged = {name: flags.get(name) for name in {*flags, *file, *defaults}}
+    grouped = {name for group in together for name in group}
+    for group in together:
+        if all(flags.get(name) is None for name in group):
+            merged.update({name: file.get(name) for name in group})
+    for name, value in merged.items():
+        if value is None and name not in grouped:
+            merged[name] = file.get(name)
+        if merged[name] is None:
+            merged[name] = defaults.get(name)
+    return merged

@@ -25,14 +25,25 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from types import FrameType
 
 from kvlens.errors import ConfigError
 
-__all__ = ["FORWARDED", "check_port_free", "run_child"]
+__all__ = ["FORWARDED", "StopScope", "check_port_free", "run_child", "stop_scope"]
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+# A long-running front door (a collector, the exporter) hands its stop callable to a StopScope and
+# runs its loop inside: the CLI's scope turns SIGTERM/SIGINT into that call (kvlens/cli_options.py),
+# a library caller may pass none (the loop ends at its duration) or its own.
+StopScope = Callable[[Callable[[], object]], AbstractContextManager[object]]
+
+
+def stop_scope(scope: StopScope | None, stop: Callable[[], object]) -> AbstractContextManager[object]:
+    """``scope(stop)``, or a scope that never calls ``stop`` when ``scope`` is None."""
+    return scope(stop) if scope is not None else contextlib.nullcontext()
 
 
 def _die_with(parent: int, sig: int) -> Callable[[], None] | None:

@@ -12,9 +12,10 @@ import polars as pl
 from kvlens.analysis_db import build_analysis_db
 from kvlens.analyzers import analyze_scenario
 from kvlens.analyzers.costs import DeviceModel
-from kvlens.analyzers.simulate import SimConfig, SimResult, simulate
+from kvlens.analyzers.simulate import SimConfig, SimResult
+from kvlens.analyzers.what_if import simulate_scenario
 from kvlens.collector import import_files
-from kvlens.lake import open_lake, write_scenario
+from kvlens.lake import open_lake
 from kvlens.models import get_model
 from kvlens.sample_data import MOONCAKE_CONVERSATION
 from kvlens.sample_data.agents import AGENT_MODEL, write_agent_log
@@ -80,17 +81,9 @@ GROUP BY l.scenario, p.prompt ORDER BY list_position($names, l.scenario)
 
 
 def _what_ifs(lake: Path) -> dict[str, SimResult]:
-    con = duckdb.connect()
-    open_lake(con, lake)
-    reqs = con.sql("SELECT * FROM requests WHERE scenario = ?", params=[DEMO_SCENARIO]).pl()
-    blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = ?", params=[DEMO_SCENARIO]).pl()
-    con.close()
-    results = {}
-    for name, config in WHAT_IFS.items():
-        result = simulate(requests=reqs, request_blocks=blocks, config=config, model=get_model(DEMO_MODEL))
-        write_scenario(lake, name, {k: v.to_arrow() for k, v in result.tables.items()}, writer_id="demo")
-        results[name] = result
-    return results
+    return {name: simulate_scenario(lake, DEMO_SCENARIO, name, config, get_model(DEMO_MODEL),
+                                    writer_id="demo").sim
+            for name, config in WHAT_IFS.items()}
 
 
 # The synthetic agent service (sample_data/agents.py): token ids and tenants, two planted faults,
@@ -104,13 +97,8 @@ _AGENT_FLEET = SimConfig(routing=RoutingPolicy.CACHE_AWARE, replicas=4, capacity
 def _agents(workdir: Path, lake: Path) -> None:
     log = write_agent_log(workdir / "agents_gateway.jsonl")
     import_files("gateway", [log], lake, scenario=AGENT_SCENARIO, model=AGENT_MODEL)
-    con = duckdb.connect()
-    open_lake(con, lake)
-    reqs = con.sql("SELECT * FROM requests WHERE scenario = ?", params=[AGENT_SCENARIO]).pl()
-    blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = ?", params=[AGENT_SCENARIO]).pl()
-    con.close()
-    result = simulate(requests=reqs, request_blocks=blocks, config=_AGENT_FLEET, model=get_model(AGENT_MODEL))
-    write_scenario(lake, AGENT_WHAT_IF, {k: v.to_arrow() for k, v in result.tables.items()}, writer_id="demo")
+    simulate_scenario(lake, AGENT_SCENARIO, AGENT_WHAT_IF, _AGENT_FLEET, get_model(AGENT_MODEL),
+                      writer_id="demo")
 
 
 AGENT_FINDINGS_SQL = """

@@ -89,3 +89,63 @@ def test_a_signal_stops_the_command_and_the_handlers_come_back() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.wait(10)
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_flag_given_wins_then_the_toml_then_the_default() -> None:
+    from kvlens.config import merge_flags
+
+    flags = {"smtp": "flag:25", "sender": None, "subject": None, "starttls": False}
+    file = {"smtp": "file:25", "sender": "file@example.com", "starttls": True}
+    merged = merge_flags(flags, file, {"sender": "kvlens@localhost", "subject": "default"})
+    assert merged == {"smtp": "flag:25", "sender": "file@example.com", "subject": "default",
+                      "starttls": False}
+    assert merge_flags({"sender": None}, {}, {"sender": "kvlens@localhost"}) == {"sender": "kvlens@localhost"}
+    pair = (("user", "password_env"),)
+    assert merge_flags({"user": "u", "password_env": None}, {"user": "f", "password_env": "VAR"},
+                       together=pair) == {"user": "u", "password_env": None}
+    assert merge_flags({"user": None, "password_env": None}, {"user": "f", "password_env": "VAR"},
+                       together=pair) == {"user": "f", "password_env": "VAR"}
+
+
+def test_simulate_scenario_writes_the_what_if_the_cli_writes(tmp_path: Path) -> None:
+    from kvlens.analyzers.sim_config import SimConfig
+    from kvlens.analyzers.what_if import WhatIfResult, simulate_scenario
+    from kvlens.errors import NoDataError
+    from kvlens.query import connect
+
+    lake = tmp_path / "lake"
+    import_files("mooncake", [_mooncake(tmp_path / "m.jsonl")], lake, scenario="m", model="llama-3.1-8b")
+    result = simulate_scenario(lake, "m", "rr2", SimConfig(replicas=2))
+    assert isinstance(result, WhatIfResult) and result.counts["requests"] == 2
+    assert result.config.step_model is not None and result.model.name.lower().startswith("llama-3.1-8b")
+    from click.testing import CliRunner
+
+    out = CliRunner().invoke(cli, ["simulate", "--lake", str(lake), "--from", "m", "--scenario", "cli2",
+                                   "--replicas", "2"])
+    assert out.exit_code == 0, out.output
+    assert f"scenario 'cli2': {result.counts['requests']:,} requests" in out.output
+    con = connect(lake=lake)
+    sql = "SELECT request_id, replica, ttft_ms FROM requests WHERE scenario = ? ORDER BY 1"
+    assert con.execute(sql, ["rr2"]).fetchall() == con.execute(sql, ["cli2"]).fetchall()
+    con.close()
+    with pytest.raises(NoDataError, match="scenario 'nope' has no requests"):
+        simulate_scenario(lake, "nope", "x", SimConfig(replicas=1))
+
+
+def test_a_collect_front_door_runs_inside_the_stop_scope_it_is_given(tmp_path: Path) -> None:
+    import contextlib
+    from collections.abc import Callable, Iterator
+
+    from kvlens.collector.collect import collect_scrape
+
+    @contextlib.contextmanager
+    def stopped_at_once(stop: Callable[[], object]) -> Iterator[None]:
+        stop()
+        yield
+
+    lines: list[str] = []
+    stats = collect_scrape(tmp_path / "lake", url="http://127.0.0.1:9/metrics", replica="r", interval_s=0.01,
+                           duration_s=30.0, until=stopped_at_once, announce=lines.append)
+    assert (stats.ok, stats.failed) == (0, 0)
+    assert lines == [f"scraping http://127.0.0.1:9/metrics every 0.01 s into {tmp_path / 'lake'} "
+                     "as writer scrape-r"]
