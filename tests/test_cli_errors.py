@@ -97,6 +97,8 @@ CASES: list[tuple[str, str, str]] = [
     ("otlp-listen-in-use", "collect otlp --listen 127.0.0.1:{busy} --lake {tmp}/l6 --duration 0.1",
      "listen"),
     ("scrape-bad-url", "collect scrape --url nonsense --replica r --lake {tmp}/l7 --duration 0.1", "--url"),
+    ("gateway-missing-config", "gateway --config {tmp}/none.toml --lake {tmp}/l8", "none.toml"),
+    ("gateway-bad-listen", "gateway --config {tmp}/none.toml --listen bogus --lake {tmp}/l8", "HOST:PORT"),
     # readers of the analysis DB
     ("report-db-not-duckdb", "report --db {notdb} --out {tmp}/r.html", "not a DuckDB file"),
     ("report-db-not-analysis", "report --db {duck} --out {tmp}/r.html", "request_ledger"),
