@@ -126,6 +126,7 @@ class GatewayProxy:
                                     on_error=self.metrics.write_errors.inc)
         self.metrics.queue_depth.set_function(lambda: self.writer.depth)
         self._session: aiohttp.ClientSession | None = None
+        self._pending: set[asyncio.Future[None]] = set()  # recordings still being built
         self._tokenizer_next = 0
         self.app = web.Application(client_max_size=options.max_body_bytes)
         self.app.router.add_post(COMPLETIONS_PATH, self._generate)
@@ -143,6 +144,8 @@ class GatewayProxy:
         self.writer.start()
 
     async def _cleanup(self, app: web.Application) -> None:
+        if self._pending:
+            await asyncio.gather(*self._pending, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
         await asyncio.get_running_loop().run_in_executor(None, self.writer.stop)
@@ -197,10 +200,21 @@ class GatewayProxy:
             call.decision = self._decide(call)
             response = await self._forward(request, call)
         if call.status == 200 and not getattr(response, "client_gone", False):
-            await self._record(call, call.seen, call.end_ns)
+            if self.writer.queue.full():  # back-pressure: this answer waits until its row has room
+                await self._record(call, call.seen, call.end_ns)
+            else:  # hashing and row building off the client's path: its answer goes out now
+                task = asyncio.ensure_future(self._record(call, call.seen, call.end_ns))
+                self._pending.add(task)
+                task.add_done_callback(self._recorded)
         elif call.status is not None:
             self.metrics.unrecorded.labels("replica_error" if call.status != 200 else "client_gone").inc()
         return response
+
+    def _recorded(self, task: asyncio.Future[None]) -> None:
+        self._pending.discard(task)
+        if not task.cancelled() and task.exception() is not None:  # a bug: logged, the gateway goes on
+            self.metrics.unrecorded.labels("internal_error").inc()
+            log.error("gateway: recording a request failed", exc_info=task.exception())
 
     def _decide(self, call: _Call) -> Decision:
         memo: dict[HashKey, list[int]] = {}

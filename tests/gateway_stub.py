@@ -118,6 +118,7 @@ class StubEngine(http.server.ThreadingHTTPServer):
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: StubEngine
     protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # headers and body go out as separate writes: no 40 ms delayed-ACK stall
 
     def log_message(self, format: str, *args: object) -> None:
         pass
