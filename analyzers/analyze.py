@@ -1,4 +1,9 @@
-"""analyzers' front door for ``kvlens analyze``: a lake -> the analysis DB, models resolved here."""
+"""analyzers' front door for ``kvlens analyze``: a lake -> the analysis DB, models resolved here.
+
+Incremental by default: a scenario whose inputs are unchanged since the previous analysis DB is
+carried over from it, anything else is analyzed from the lake (analyzers/incremental.py says
+what counts as new data and when a scenario is rebuilt); ``full=True`` rebuilds every scenario.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import duckdb
 import polars as pl
 
 from kvlens.analysis_db import build_analysis_db
+from kvlens.analyzers import incremental
 from kvlens.errors import ConfigError, NoDataError
 from kvlens.models import DEFAULT_MODEL, ModelGeometry, get_model
 
@@ -36,6 +42,7 @@ class AnalyzeResult:
     db: Path
     scenarios: tuple[str, ...]
     models: tuple[tuple[str, str, str], ...]  # (scenario, model name, given | requests | default)
+    modes: tuple[tuple[str, str, str], ...] = ()  # (scenario, full | carried | appended, why)
 
 
 def scenario_model(con: duckdb.DuckDBPyConnection, scenario: str,
@@ -59,13 +66,18 @@ def scenario_model(con: duckdb.DuckDBPyConnection, scenario: str,
 def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scenarios: Sequence[str] = (),
                  model: ModelGeometry | None = None, *, cache_tokens: int | None = None,
                  join: Sequence[str] = (), metrics_from: str | None = None,
-                 progress: Progress | None = None) -> AnalyzeResult:
+                 progress: Progress | None = None, full: bool = False) -> AnalyzeResult:
     """(Re)build ``db`` from ``lake``: every analysis of each of ``scenarios`` (default: all but the
-    ``join`` sources), with ``model`` or each scenario's own (``scenario_model``)."""
+    ``join`` sources), with ``model`` or each scenario's own (``scenario_model``). A scenario whose
+    inputs are those the previous ``db`` recorded is copied from it unless ``full``."""
     from kvlens.analyzers import analyze_scenario
 
     done: list[str] = []
     models: list[tuple[str, str, str]] = []
+    modes: list[tuple[str, str, str]] = []
+    segments = incremental.snapshot(lake)
+    previous = Path(db).resolve()
+    code = incremental.code_digest()
 
     def compute(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
         present = [r[0] for r in con.execute(SCENARIOS_SQL).fetchall()]
@@ -74,14 +86,29 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
         if unknown:
             raise NoDataError(f"scenario(s) {', '.join(unknown)} have no requests in lake {lake}: "
                               f"present are {', '.join(present) or 'none'}")
+        state = incremental.previous_state(con, previous) if not full else "--full given"
+        no_state, before = (state, {}) if isinstance(state, str) else (None, state)
         wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
         with wrapped as each:
             for scenario in each:
                 geometry, source = scenario_model(con, scenario, model)
-                yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
-                                            metrics_from=metrics_from, model_source=source)
+                config = incremental.config_of(geometry, source, cache_tokens=cache_tokens, join=join,
+                                               metrics_from=metrics_from, code=code)
+                now = incremental.scenario_inputs(lake, segments, scenario, config, join=join,
+                                                  metrics_from=metrics_from, known=before.get(scenario))
+                decision = incremental.decide(now, before.get(scenario), full=full, no_state=no_state)
+                log.info("scenario %s: %s (%s)", scenario, decision.mode, decision.reason)
+                if decision.mode == "carried":
+                    incremental.carry_scenario(con, scenario)
+                else:
+                    yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
+                                                metrics_from=metrics_from, model_source=source)
+                incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
+                modes.append((scenario, decision.mode, decision.reason))
+        if no_state is None:
+            incremental.detach_previous(con)
 
     path = build_analysis_db(db, lake, compute)
-    return AnalyzeResult(path, tuple(done), tuple(models))
+    return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))

@@ -227,12 +227,12 @@ def _all_measured(labels: Sequence[Label]) -> Label:
     return Label.MEASURED if all(x is Label.MEASURED for x in labels) else Label.MODELLED
 
 
-def _gpu_rows(probe_runs: duckdb.DuckDBPyRelation | None, model: ModelGeometry,
+def _gpu_rows(probe_runs: duckdb.DuckDBPyRelation | pl.DataFrame | None, model: ModelGeometry,
               probe_device: str | None) -> pl.DataFrame:
     """The GPU-source probe rows of ``model`` (on ``probe_device`` when given), newest run first."""
     if probe_runs is None:
         return pl.DataFrame()
-    rows = probe_runs.pl()
+    rows = probe_runs if isinstance(probe_runs, pl.DataFrame) else probe_runs.pl()
     if rows.is_empty():
         return rows
     rows = rows.filter((pl.col("source") == "gpu") & (pl.col("model") == model.name)
@@ -293,7 +293,7 @@ def _install_rate(load: pl.DataFrame, h2d: pl.DataFrame, configured_gbps: float)
     return _fit_rate(both, configured_gbps)
 
 
-def cost_model(*, probe_runs: duckdb.DuckDBPyRelation | None, model: ModelGeometry,
+def cost_model(*, probe_runs: duckdb.DuckDBPyRelation | pl.DataFrame | None, model: ModelGeometry,
                device: DeviceModel = DEFAULT_DEVICE, probe_device: str | None = None) -> CostModel:
     """The cost model of ``model``: calibrated from ``probe_runs`` where it can be, else modelled.
 

@@ -357,10 +357,16 @@ def _frame_rows(stream: str, f: pl.DataFrame, bytes_per_token: int) -> pl.DataFr
                  f["ts_ns"].to_numpy())
 
 
+# One stored event carries a chain of blocks (one row each, the same ts_ns, replica and seq): they
+# are stored in chain order, so position breaks the tie, and the rest makes the order total (a
+# sort is not stable: without them two analyses of one lake could order a chain differently).
+_EVENT_ORDER = "ts_ns, replica, seq, position NULLS FIRST, block_hash, medium, block_tokens NULLS FIRST"
+
+
 def _event_stream(kv_events: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
     ev = _scenario_rows(kv_events, scenario).filter("kind = 'stored' AND block_hash IS NOT NULL").project(
-        "ts_ns, seq, replica, CAST(medium AS VARCHAR) AS medium, block_hash, block_tokens"
-    ).order("ts_ns, replica, seq")
+        "ts_ns, seq, replica, CAST(medium AS VARCHAR) AS medium, block_hash, block_tokens, position"
+    ).order(_EVENT_ORDER)
     frame = ev.pl()  # typed and empty when the scenario has no events (a raw trace import)
     known = frame["block_tokens"].drop_nulls()
     fill = int(known.mode().sort()[0]) if len(known) else 0

@@ -80,7 +80,9 @@ def _with_outcome_order(frame: pl.DataFrame) -> pl.DataFrame:
     return frame.with_columns(pl.col("outcome").cast(pl.String), order.alias("outcome_order"))
 
 
-def ledger_chart(frame: pl.DataFrame, *, title: str = "Prompt tokens by outcome, per replica") -> alt.Chart:
+def ledger_chart(
+    frame: pl.DataFrame, *, title: str = "What did each replica's prompt tokens get?"
+) -> alt.Chart:
     """Stacked bars: ``replica``, ``outcome``, ``tokens`` (one bar per replica)."""
     data = _with_outcome_order(frame)
     chart = (
@@ -97,7 +99,9 @@ def ledger_chart(frame: pl.DataFrame, *, title: str = "Prompt tokens by outcome,
     return _sized(chart, title)
 
 
-def ledger_share_chart(frame: pl.DataFrame, *, title: str = "Share of needed tokens by outcome") -> alt.Chart:
+def ledger_share_chart(
+    frame: pl.DataFrame, *, title: str = "Which outcome did the prompt tokens get?"
+) -> alt.Chart:
     """Normalised stacked bars: ``scenario``, ``outcome``, ``tokens`` (one bar per scenario)."""
     data = _with_outcome_order(frame)
     chart = (
@@ -114,7 +118,9 @@ def ledger_share_chart(frame: pl.DataFrame, *, title: str = "Share of needed tok
     return chart.properties(width=WIDTH, height=max(60, 40 * frame["scenario"].n_unique()), title=title)
 
 
-def hit_ratio_trend_chart(frame: pl.DataFrame, *, title: str = "Token hit ratio over time") -> alt.Chart:
+def hit_ratio_trend_chart(
+    frame: pl.DataFrame, *, title: str = "How did the token hit ratio move over time?"
+) -> alt.Chart:
     """Line: ``bucket`` (datetime), ``token_hit_ratio``, ``requests``."""
     chart = (
         alt.Chart(_utc(frame, "bucket"))
@@ -137,7 +143,9 @@ def hit_ratio_trend_chart(frame: pl.DataFrame, *, title: str = "Token hit ratio 
     return _sized(chart, title)
 
 
-def replica_bar_chart(frame: pl.DataFrame, *, title: str = "Tokens per replica") -> alt.Chart:
+def replica_bar_chart(
+    frame: pl.DataFrame, *, title: str = "Which replica holds the most tokens?"
+) -> alt.Chart:
     """Bars: ``replica``, ``tokens``."""
     chart = (
         alt.Chart(frame)
@@ -152,7 +160,8 @@ def replica_bar_chart(frame: pl.DataFrame, *, title: str = "Tokens per replica")
 
 
 def mrc_chart(
-    mrc: pl.DataFrame, capacity: pl.DataFrame, *, title: str = "LRU byte hit ratio against cache capacity"
+    mrc: pl.DataFrame, capacity: pl.DataFrame, *,
+    title: str = "How much would a larger cache serve (LRU byte hit ratio)?",
 ) -> alt.LayerChart:
     """Lines ``capacity_bytes`` x ``hit_ratio_bytes`` per ``method``; rules at ``capacity.c_eff_bytes``
     (and twice it), labelled with ``label``."""
@@ -188,7 +197,9 @@ def mrc_chart(
     return alt.LayerChart(layer=[lines, rules, text]).properties(width=WIDTH, height=HEIGHT, title=title)
 
 
-def ttl_chart(frame: pl.DataFrame, *, title: str = "TTL: re-accesses covered and bytes pinned") -> alt.Chart:
+def ttl_chart(
+    frame: pl.DataFrame, *, title: str = "How long must a block stay to be reused, and what does that pin?"
+) -> alt.Chart:
     """Points ``ttl_s`` x ``covered_ratio``, sized by ``pinned_peak_bytes``."""
     chart = (
         alt.Chart(frame)
@@ -206,7 +217,9 @@ def ttl_chart(frame: pl.DataFrame, *, title: str = "TTL: re-accesses covered and
     return _sized(chart, title)
 
 
-def flows_chart(frame: pl.DataFrame, *, title: str = "Bytes moved per window") -> alt.Chart:
+def flows_chart(
+    frame: pl.DataFrame, *, title: str = "How many bytes moved per window, and how many were never read?"
+) -> alt.Chart:
     """Stacked areas: ``window`` (datetime), ``flow`` (read/write/replica/never_read), ``bytes``."""
     data = _utc(frame, "window").with_columns((pl.col("bytes") / 2**30).alias("gib"))
     chart = (
@@ -227,7 +240,7 @@ def flows_chart(frame: pl.DataFrame, *, title: str = "Bytes moved per window") -
 
 
 def fanout_chart(
-    frame: pl.DataFrame, *, title: str = "Fan-out: replicas needing the same blocks"
+    frame: pl.DataFrame, *, title: str = "How many replicas needed the same blocks?"
 ) -> alt.Chart:
     """Bars ``window`` (datetime) x ``duplicate_bytes``, with ``fanout_mean_replicas`` in the tooltip."""
     data = _utc(frame, "window").with_columns((pl.col("duplicate_bytes") / 2**30).alias("duplicate_gib"))
@@ -248,7 +261,9 @@ def fanout_chart(
     return _sized(chart, title)
 
 
-def latency_class_chart(frame: pl.DataFrame, *, title: str = "TTFT by prefix class") -> alt.Chart:
+def latency_class_chart(
+    frame: pl.DataFrame, *, title: str = "Which prefix class waits longest for its first token?"
+) -> alt.Chart:
     """Dots on a log axis (P50 and P99 can be 1000x apart, and a log axis cannot draw bars from 0):
     ``prefix_class``, ``percentile`` (p50/p95/p99), ``ttft_ms``."""
     chart = (
@@ -265,7 +280,9 @@ def latency_class_chart(frame: pl.DataFrame, *, title: str = "TTFT by prefix cla
     return _sized(chart, title)
 
 
-def latency_trend_chart(frame: pl.DataFrame, *, title: str = "TTFT P99 per window") -> alt.Chart:
+def latency_trend_chart(
+    frame: pl.DataFrame, *, title: str = "When was the first token slowest (TTFT P99 per window)?"
+) -> alt.Chart:
     """Lines: ``window`` (datetime), ``prefix_class``, ``ttft_p99_ms``."""
     chart = (
         alt.Chart(_utc(frame, "window"))
@@ -285,7 +302,7 @@ def latency_trend_chart(frame: pl.DataFrame, *, title: str = "TTFT P99 per windo
 
 
 def tails_side_by_side_chart(
-    frame: pl.DataFrame, *, title: str = "TTFT percentiles per scenario"
+    frame: pl.DataFrame, *, title: str = "How long to the first token, per scenario?"
 ) -> alt.Chart:
     """Grouped bars: ``scenario``, ``percentile``, ``ttft_ms``."""
     chart = (
@@ -302,7 +319,9 @@ def tails_side_by_side_chart(
     return _sized(chart, title)
 
 
-def prefix_benefit_chart(frame: pl.DataFrame, *, title: str = "Expected benefit of publishing") -> alt.Chart:
+def prefix_benefit_chart(
+    frame: pl.DataFrame, *, title: str = "Which prefixes are worth publishing?"
+) -> alt.Chart:
     """Horizontal bars: ``prefix`` (label), ``benefit_ms``, ``recommendation``, ``reason``."""
     chart = (
         alt.Chart(frame)
@@ -317,7 +336,9 @@ def prefix_benefit_chart(frame: pl.DataFrame, *, title: str = "Expected benefit 
     return chart.properties(width=WIDTH, height=max(HEIGHT, 16 * frame.height), title=title)
 
 
-def crossover_chart(frame: pl.DataFrame, *, title: str = "Load against recompute") -> alt.Chart:
+def crossover_chart(
+    frame: pl.DataFrame, *, title: str = "From what prefix length does loading beat recompute?"
+) -> alt.Chart:
     """Lines: ``prefix_tokens``, ``ms``, ``series`` (e.g. ``recompute`` or ``load h2d_pinned``),
     ``label`` (measured / modelled, drawn as the point shape)."""
     chart = (
@@ -334,7 +355,9 @@ def crossover_chart(frame: pl.DataFrame, *, title: str = "Load against recompute
     return _sized(chart, title)
 
 
-def findings_chart(frame: pl.DataFrame, *, title: str = "Blocks involved per finding") -> alt.Chart:
+def findings_chart(
+    frame: pl.DataFrame, *, title: str = "How many blocks does each finding involve?"
+) -> alt.Chart:
     """Bars: ``finding``, ``subject``, ``blocks``."""
     chart = (
         alt.Chart(frame)
@@ -350,7 +373,7 @@ def findings_chart(frame: pl.DataFrame, *, title: str = "Blocks involved per fin
 
 
 def hygiene_chart(
-    frame: pl.DataFrame, *, title: str = "Tokens lost by the block where chains split"
+    frame: pl.DataFrame, *, title: str = "Where do prompt chains split, and what does it lose?"
 ) -> alt.Chart:
     """Bars: ``split_position``, ``lost_tokens``, ``requests``."""
     chart = (
@@ -365,8 +388,9 @@ def hygiene_chart(
     return _sized(chart, title)
 
 
-def reconciliation_chart(frame: pl.DataFrame, *, title: str = "Hit tokens: engine counters against the ledger"
-                         ) -> alt.Chart:
+def reconciliation_chart(
+    frame: pl.DataFrame, *, title: str = "Do the engines' hit counters agree with the ledger?"
+) -> alt.Chart:
     """Grouped bars per ``replica``: ``engine_hit_tokens``, ``ledger_hit_tokens`` and, when known,
     ``reported_cached_tokens``."""
     cols = [c for c in ("engine_hit_tokens", "ledger_hit_tokens", "reported_cached_tokens")

@@ -63,12 +63,17 @@ def _smtp_settings(mail: Mapping[str, Any], environ: Mapping[str, str]) -> Any:
 def run_report(db: str | Path, out: str | Path, *, since: str = "24h",
                now_ns: int | None = None, scenarios: Sequence[str] = (),
                mail: Mapping[str, Any] | None = None, config: str | Path | None = None,
-               environ: Mapping[str, str] = os.environ) -> ReportResult:
+               environ: Mapping[str, str] = os.environ, gpu_hour_price: float | None = None,
+               production: str | None = None) -> ReportResult:
     """Write the report on ``db`` to ``out``; email it when ``mail`` (MAIL_FLAGS, flags over
-    ``config``'s [smtp]) names recipients and a server. The password comes from ``environ``."""
+    ``config``'s [smtp]) names recipients and a server. The password comes from ``environ``; the
+    GPU-hour price from ``gpu_hour_price``, else ``config``'s [costs] gpu_hour_usd."""
     from kvlens.dashboards.report import build_report, parse_duration_ns, save_html
 
-    file = _file_flags(load_config(config).smtp) if config else {}
+    loaded = load_config(config) if config else None
+    file = _file_flags(loaded.smtp) if loaded else {}
+    if gpu_hour_price is None and loaded is not None:
+        gpu_hour_price = loaded.gpu_hour_usd
     merged = merge_flags({k: (mail or {}).get(k) for k in MAIL_FLAGS}, file, MAIL_DEFAULTS,
                          together=(("user", "password_env"),))
     if (merged["email_to"] is None) != (merged["smtp"] is None):
@@ -76,7 +81,8 @@ def run_report(db: str | Path, out: str | Path, *, since: str = "24h",
                           "[smtp]): give both to send the report, or neither")
     settings = _smtp_settings(merged, environ) if merged["smtp"] else None
     report = build_report(db, since_ns=parse_duration_ns(since), now_ns=now_ns,
-                          scenarios=list(scenarios) or None)
+                          scenarios=list(scenarios) or None, usd_per_gpu_hour=gpu_hour_price,
+                          production=production)
     path = save_html(report, out)
     result = ReportResult(path, path.stat().st_size, len(report.charts))
     if settings is None or merged["email_to"] is None:
@@ -110,7 +116,8 @@ def run_export(db: str | Path, *, port: int, host: str = "127.0.0.1", top_prefix
 
 
 def run_dashboard(db: str | Path, *, port: int = 8501, host: str = "127.0.0.1",
-                  announce: Callable[[str], object] = lambda _line: None) -> int:
+                  announce: Callable[[str], object] = lambda _line: None,
+                  gpu_hour_price: float | None = None) -> int:
     """Serve the Streamlit dashboard over ``db`` as a child that dies with this process; its exit status.
 
     A SIGTERM, SIGINT or SIGHUP here is passed on and waited for, and a SIGKILL here ends it too
@@ -124,5 +131,8 @@ def run_dashboard(db: str | Path, *, port: int = 8501, host: str = "127.0.0.1",
     cmd = [sys.executable, "-m", "streamlit", "run", str(app), "--server.headless=true",
            "--browser.gatherUsageStats=false", "--server.fileWatcherType=none", "--server.runOnSave=false",
            f"--server.port={port}", f"--server.address={host}", "--", "--db", str(path.resolve())]
+    env = None
+    if gpu_hour_price is not None:  # the overview reads it (dashboards/views/decision.py)
+        env = {**os.environ, "KVLENS_GPU_HOUR_USD": repr(gpu_hour_price)}
     announce(f"kvlens dashboard on http://{host}:{port}/ (Ctrl-C stops it)")
-    return run_child(cmd)
+    return run_child(cmd, env=env)

@@ -16,7 +16,7 @@ import altair as alt
 import duckdb
 import streamlit as st
 
-from kvlens.dashboards.findings import fmt_bytes as _fmt_bytes
+from kvlens.dashboards.formatting import fmt_bytes as _fmt_bytes
 from kvlens.dashboards.provenance import Origin, bytes_sentence, origins
 from kvlens.dashboards.queries import Window, scenario_span_ns, scenarios, table_rows
 from kvlens.query import connect

@@ -7,16 +7,17 @@ absent or empty: a finding is never made up.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import duckdb
 
+from kvlens.dashboards.formatting import fmt_bytes, fmt_ms, fmt_pct
 from kvlens.dashboards.provenance import Origin, origins, tagged
 from kvlens.dashboards.report_data import Window, has_rows, rows
 from kvlens.schema import HIT_OUTCOMES_SQL
 
-__all__ = ["CAUSES", "findings", "fmt_bytes", "fmt_ms", "fmt_pct"]
+__all__ = ["CAUSES", "findings", "fmt_bytes", "fmt_ms", "fmt_pct", "ranked_findings"]
 
 # Why a block missed, in words (DESIGN.md section 1).
 CAUSES = {
@@ -32,29 +33,6 @@ _ACTIONABLE = tuple(c for c in CAUSES if c != "miss_cold")
 _IN_WINDOW = "list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end"
 
 
-def fmt_pct(ratio: float | None) -> str:
-    return "n/a" if ratio is None else f"{ratio:.1%}"
-
-
-def fmt_ms(ms: float | None) -> str:
-    """Seconds from one second up, milliseconds below."""
-    if ms is None:
-        return "n/a"
-    return f"{ms / 1e3:,.2f} s" if abs(ms) >= 1000 else f"{ms:.1f} ms"
-
-
-def fmt_bytes(n: float | None, digits: int = 2) -> str:
-    """A byte count in binary units (the report's sentences and the dashboard's metrics)."""
-    if n is None:
-        return "n/a"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} B" if unit == "B" else f"{value:.{digits}f} {unit}"
-        value /= 1024
-    return f"{value:,.{digits}f} PiB"
-
-
 WORST_REPLICA_SQL = f"""
 WITH per AS (
     SELECT scenario, replica, CAST(outcome AS VARCHAR) AS outcome, sum(tokens) AS tokens
@@ -67,11 +45,12 @@ WITH per AS (
 ), cause AS (
     SELECT scenario, outcome, sum(tokens) AS tokens FROM per GROUP BY ALL
 ), top_cause AS (
-    SELECT c.scenario, c.outcome, c.tokens / f.prompt_tokens AS fleet_share
+    SELECT c.scenario, c.outcome, c.tokens / f.prompt_tokens AS fleet_share, c.tokens
     FROM cause c JOIN fleet f USING (scenario) WHERE list_contains($actionable, c.outcome)
     QUALIFY row_number() OVER (PARTITION BY c.scenario ORDER BY c.tokens DESC, c.outcome) = 1
 )
-SELECT t.scenario, t.outcome, t.fleet_share, p.replica, per.tokens / p.prompt_tokens AS replica_share
+SELECT t.scenario, t.outcome, t.fleet_share, p.replica, per.tokens / p.prompt_tokens AS replica_share,
+       t.tokens
 FROM top_cause t JOIN per USING (scenario, outcome) JOIN prompt p USING (scenario, replica)
 WHERE t.fleet_share > 0
 QUALIFY row_number() OVER (PARTITION BY t.scenario ORDER BY replica_share DESC, p.replica) = 1
@@ -90,11 +69,13 @@ GROUP BY b.scenario ORDER BY b.scenario
 """
 
 Context = dict[str, Any]
+# A sentence, or a sentence with the recomputed tokens it concerns (what ranks it).
+Found = str | tuple[str, int]
 
 
-def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    out = []
-    for scenario, outcome, fleet_share, replica, replica_share in rows(con, WORST_REPLICA_SQL, p):
+def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
+    out: list[Found] = []
+    for scenario, outcome, fleet_share, replica, replica_share, tokens in rows(con, WORST_REPLICA_SQL, p):
         text = (f"In {_who(scenario, p)}, {fmt_pct(fleet_share)} of prompt tokens missed because "
                 f"{CAUSES[outcome]} ({outcome}); the worst replica is {replica}, where it cost "
                 f"{fmt_pct(replica_share)} of its prompt tokens.")
@@ -105,7 +86,7 @@ def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
             text += " Of those tokens, " + ", ".join(
                 f"{_who(s, p)} served {fmt_pct(r)}" for s, r in served
             ) + " (the same requests replayed there)."
-        out.append(text)
+        out.append((text, int(tokens)))
     return out
 
 
@@ -226,7 +207,7 @@ def _latency_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
 
 PREFIX_SQL = """
 SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, benefit_ms, recommendation, reason,
-       recompute_label, remote_label
+       recompute_label, remote_label, coalesce(avoidable_miss_tokens, 0)
 FROM prefix_ranking WHERE list_contains($names, scenario) AND benefit_ms > 0
 ORDER BY benefit_ms DESC NULLS LAST, scenario, prefix_hash LIMIT 1
 """
@@ -237,11 +218,11 @@ def _labels(recompute: str | None, load: str | None) -> str:
     return f" ({', '.join(said)})" if said else ""
 
 
-def _prefix_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {_who(s, p)}, the prefix worth most is {h:016x} ({tok:,} tokens, {reuses:,} re-accesses on "
+def _prefix_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
+    return [(f"In {_who(s, p)}, the prefix worth most is {h:016x} ({tok:,} tokens, {reuses:,} re-accesses on "
             f"{reps:,} replicas): {rec}, an expected {(ms or 0) / 1e3:,.1f} s of prefill saved"
-            f"{_labels(rl, ll)}; {str(reason).rstrip('.')}."
-            for s, h, tok, reuses, reps, ms, rec, reason, rl, ll in rows(con, PREFIX_SQL, p)]
+            f"{_labels(rl, ll)}; {str(reason).rstrip('.')}.", int(avoidable))
+            for s, h, tok, reuses, reps, ms, rec, reason, rl, ll, avoidable in rows(con, PREFIX_SQL, p)]
 
 
 HYGIENE_SQL = """
@@ -251,10 +232,10 @@ GROUP BY ALL ORDER BY 3 DESC, 1 LIMIT 1
 """
 
 
-def _hygiene_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    return [f"In {_who(s, p)}, {n:,} requests split their prefix chain early: moving the dynamic part to "
-            f"the end would make {tok or 0:,} more tokens ({fmt_bytes(b)}{_bytes_note([s], p)}) reusable."
-            for s, n, tok, b in rows(con, HYGIENE_SQL, p)]
+def _hygiene_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
+    return [(f"In {_who(s, p)}, {n:,} requests split their prefix chain early: moving the dynamic part to "
+            f"the end would make {tok or 0:,} more tokens ({fmt_bytes(b)}{_bytes_note([s], p)}) reusable.",
+             int(tok or 0)) for s, n, tok, b in rows(con, HYGIENE_SQL, p)]
 
 
 ISOLATION_SQL = """
@@ -293,13 +274,13 @@ ORDER BY steady_after_ns DESC, scenario, replica LIMIT 1
 """
 
 
-def _warmup_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    out = []
+def _warmup_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
+    out: list[Found] = []
     for s, r, ns, b, saved in rows(con, WARMUP_SQL, p):
         text = (f"In {_who(s, p)}, {r} took the longest to warm up: {ns / 60e9:.1f} min to the fleet's "
                 f"steady hit ratio; pre-warming its hot prefixes would move "
                 f"{fmt_bytes(b)}{_bytes_note([s], p)}")
-        out.append(text + (f" and save {saved:,} recomputed tokens." if saved else "."))
+        out.append((text + (f" and save {saved:,} recomputed tokens." if saved else "."), int(saved or 0)))
     return out
 
 
@@ -366,7 +347,7 @@ def _bytes_note(names: list[str], p: Context) -> str:
 
 
 # (table whose rows the finder needs, finder), in the order the report lists them.
-FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], list[str]]], ...] = (
+FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], Sequence[Found]]], ...] = (
     ("block_outcomes", _ledger_findings),
     ("request_ledger", _compare_findings),
     ("block_outcomes", _cold_findings),
@@ -383,12 +364,22 @@ FINDERS: tuple[tuple[str, Callable[[duckdb.DuckDBPyConnection, Context], list[st
 )
 
 
-def findings(con: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> list[str]:
-    """The findings for the window's requests, one sentence (or two) each, most important first."""
+def ranked_findings(con: duckdb.DuckDBPyConnection, names: list[str],
+                    window: Window) -> list[tuple[str, int | None]]:
+    """(sentence, recomputed tokens it concerns or None), most tokens first; None after, in FINDERS order.
+
+    The tokens are what a finding is worth: each priced alike by the cost model (dashboards/worth.py).
+    """
     p: Context = {"names": names, "start": window.start_ns, "end": window.end_ns,
                   "actionable": list(_ACTIONABLE), "origins": origins(con, names)}
-    out: list[str] = []
+    out: list[tuple[str, int | None]] = []
     for table, finder in FINDERS:
         if has_rows(con, table):
-            out += finder(con, p)
-    return out
+            out += [(f, None) if isinstance(f, str) else f for f in finder(con, p)]
+    order = sorted(range(len(out)), key=lambda i: (out[i][1] is None, -(out[i][1] or 0), i))
+    return [out[i] for i in order]
+
+
+def findings(con: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> list[str]:
+    """The findings for the window's requests, one sentence (or two) each, ranked by worth."""
+    return [text for text, _ in ranked_findings(con, names, window)]

@@ -22,7 +22,9 @@ import duckdb
 import polars as pl
 
 from kvlens.dashboards import charts, queries
-from kvlens.dashboards.findings import findings, fmt_ms, fmt_pct
+from kvlens.dashboards.decisions import Decisions, decide, pick_production
+from kvlens.dashboards.findings import ranked_findings
+from kvlens.dashboards.formatting import fmt_ms, fmt_pct
 from kvlens.dashboards.provenance import Origin, bytes_sentence, origins, tagged
 from kvlens.dashboards.report_data import (
     Headline,
@@ -35,7 +37,8 @@ from kvlens.dashboards.report_data import (
     rows,
 )
 from kvlens.dashboards.report_data import scenario_names as analyzed_scenarios
-from kvlens.dashboards.report_render import Chart, Section, Table, png_size, render_html, render_text
+from kvlens.dashboards.report_lead import attribution_section, lead, worth_section
+from kvlens.dashboards.report_render import Chart, Lead, Section, Table, png_size, render_html, render_text
 from kvlens.errors import ConfigError, NoDataError
 
 __all__ = [
@@ -121,7 +124,7 @@ def _headline_section(heads: dict[str, Headline], groups: Groups, quiet: list[st
     note = bytes_sentence({n: found[n] for n in heads})
     if note:
         said.append(note)
-    return Section("Headline", paragraphs=said, tables=[Table(
+    return Section("Every scenario (what-ifs named as such)", paragraphs=said, tables=[Table(
         ("scenario", "figures", "requests", "prompt tokens", "token hit ratio", "byte hit ratio", "TTFT P50",
          "TTFT P99"), body)])
 
@@ -132,8 +135,8 @@ def _ledger_section(con: duckdb.DuckDBPyConnection, groups: Groups, heads: dict[
     if not found:
         return None
     frame = pl.DataFrame([{"scenario": r.scenario, "outcome": r.outcome, "tokens": r.tokens} for r in found])
-    chart = _png(charts.ledger_share_chart(frame, title="Share of needed tokens by outcome"), "ledger",
-                 "Ledger by outcome")
+    chart = _png(charts.ledger_share_chart(frame, title="Which outcome did the prompt tokens get?"),
+                 "ledger", "Ledger by outcome")
     outcomes = [o for o in charts.OUTCOME_COLORS if any(r.outcome == o for r in found)]
     by = {(r.scenario, r.outcome): r.tokens for r in found}
     body = tuple((o, *(fmt_pct(by.get((s, o), 0) / heads[s].prompt_tokens)
@@ -214,7 +217,7 @@ def _trend_chart(con: duckdb.DuckDBPyConnection, names: list[str], window: Windo
     data = pl.concat(frames) if frames else pl.DataFrame()
     if data.is_empty():
         return None
-    title = f"Token hit ratio over time{who}"
+    title = f"How did the token hit ratio move over the window{who}?"
     return _png(charts.hit_ratio_trend_chart(data, title=title).encode(color="scenario:N"), cid, title)
 
 
@@ -232,7 +235,8 @@ def _latency_section(con: duckdb.DuckDBPyConnection, names: list[str],
         return None
     frame = pl.DataFrame([{"scenario": s, "percentile": q, "ttft_ms": v} for s, _, p50, p95, p99, _ in found
                           for q, v in (("p50", p50), ("p95", p95), ("p99", p99))])
-    chart = _png(charts.tails_side_by_side_chart(frame), "tails", "TTFT percentiles per scenario")
+    chart = _png(charts.tails_side_by_side_chart(frame, title="How long to the first token, per scenario?"),
+                 "tails", "TTFT percentiles per scenario")
     body = tuple((s, f"{n:,}", *(origin[s].ttft(fmt_ms(v)) for v in (p50, p95, p99)),
                   "n/a" if r is None else origin[s].ttft(f"{r:.1f}x")) for s, n, p50, p95, p99, r in found)
     said = [f"TTFT of {', '.join(s for s, *_ in found if origin[s].ttft_label == label)} is {label}."
@@ -281,8 +285,8 @@ def _crossover_section(con: duckdb.DuckDBPyConnection, names: list[str]) -> Sect
     points |= {(t, f"load {path}", lms, ll) for _, _, path, t, _, _, lms, ll, _ in mine}
     frame = pl.DataFrame(sorted(points, key=lambda r: (r[1], r[0])),
                          schema=["prefix_tokens", "series", "ms", "label"], orient="row")
-    chart = _png(charts.crossover_chart(frame, title=f"Load against recompute, {device} ({model})"),
-                 "crossover", "Load against recompute")
+    question = f"From what prefix length does loading beat recompute ({device})?"
+    chart = _png(charts.crossover_chart(frame, title=question), "crossover", "Load against recompute")
     body = []
     for d, m, path in dict.fromkeys((r[0], r[1], r[2]) for r in found):
         cells = [r for r in found if (r[0], r[1], r[2]) == (d, m, path)]
@@ -295,7 +299,23 @@ def _crossover_section(con: duckdb.DuckDBPyConnection, names: list[str]) -> Sect
         tuple(body))], charts=[chart])
 
 
-def _sections(con: duckdb.DuckDBPyConnection, groups: Groups) -> list[Section]:
+TOP_FINDINGS = 5  # the rest are one section away, at the end
+
+
+def _decisions(con: duckdb.DuckDBPyConnection, groups: Groups, heads: dict[str, Headline],
+               found: dict[str, Origin], usd_per_gpu_hour: float | None,
+               production: str | None) -> Decisions | None:
+    picked = pick_production(heads, found, production)
+    if picked is None:
+        return None
+    window, names = next((w, n) for w, n in groups if picked[0] in n)
+    mine = {n: heads[n] for n in names}
+    return decide(con, mine, found, window, usd_per_gpu_hour=usd_per_gpu_hour, production=picked[0],
+                  stand_in=picked[1])
+
+
+def _sections(con: duckdb.DuckDBPyConnection, groups: Groups, usd_per_gpu_hour: float | None = None,
+              production: str | None = None) -> tuple[Lead | None, list[Section]]:
     heads: dict[str, Headline] = {}
     for window, names in groups:
         heads.update(headlines(con, names, window))
@@ -308,8 +328,16 @@ def _sections(con: duckdb.DuckDBPyConnection, groups: Groups) -> list[Section]:
     groups = [(w, [n for n in names if n in heads]) for w, names in groups]
     groups = [(w, names) for w, names in groups if names]
     found = origins(con, sorted(heads))
-    out = [_headline_section(heads, groups, quiet, found)]
-    out.append(Section("Top findings", bullets=[f for w, n in groups for f in findings(con, n, w)]))
+    decided = _decisions(con, groups, heads, found, usd_per_gpu_hour, production)
+    out = [] if decided is None else [s for s in (attribution_section(decided.attribution),
+                                                 worth_section(decided)) if s is not None]
+    found_all = sorted(((f, t) for w, n in groups for f, t in ranked_findings(con, n, w)),
+                       key=lambda ft: (ft[1] is None, -(ft[1] or 0)))
+    ranked = [f for f, _ in found_all]
+    said = (f"The {TOP_FINDINGS} of {len(ranked)} findings that concern the most recomputed tokens (the rest "
+            "are under More findings, at the end)." if len(ranked) > TOP_FINDINGS else "")
+    out.append(Section("Top findings", paragraphs=[said] if said else [], bullets=ranked[:TOP_FINDINGS]))
+    out.append(_headline_section(heads, groups, quiet, found))
     for optional in (_ledger_section(con, groups, heads, found), _trend_section(con, groups)):
         if optional is not None:
             out.append(optional)
@@ -317,11 +345,15 @@ def _sections(con: duckdb.DuckDBPyConnection, groups: Groups) -> list[Section]:
     everyone = sorted(heads)
     out += [s for s in (_latency_section(con, everyone, found), _prefix_section(con, everyone, found),
                         _crossover_section(con, everyone)) if s is not None]
-    return [s for s in out if s.paragraphs or s.bullets or s.tables or s.charts]
+    if ranked[TOP_FINDINGS:]:
+        out.append(Section("More findings", bullets=ranked[TOP_FINDINGS:]))
+    return (None if decided is None else lead(decided),
+            [s for s in out if s.paragraphs or s.bullets or s.tables or s.charts])
 
 
 def build_report(db_path: str | Path, *, since_ns: int = DAY_NS, now_ns: int | None = None,
-                 scenarios: list[str] | None = None) -> Report:
+                 scenarios: list[str] | None = None, usd_per_gpu_hour: float | None = None,
+                 production: str | None = None) -> Report:
     """The report for requests arriving in [now - since, now), compared with the window before."""
     started = time.perf_counter()
     con = open_db(db_path)
@@ -331,7 +363,7 @@ def build_report(db_path: str | Path, *, since_ns: int = DAY_NS, now_ns: int | N
             wanted = f" among {', '.join(scenarios)}" if scenarios else ""
             raise NoDataError(f"analysis DB {db_path} has no analyzed scenario{wanted}: run kvlens analyze")
         groups = _groups(con, names, since_ns, now_ns)
-        sections = _sections(con, groups)
+        first, sections = _sections(con, groups, usd_per_gpu_hour, production)
     finally:
         con.close()
     title = "kvlens report"
@@ -346,9 +378,9 @@ def build_report(db_path: str | Path, *, since_ns: int = DAY_NS, now_ns: int | N
     data_src = {c.cid: "data:image/png;base64," + base64.b64encode(c.png).decode() for c in all_charts}
     report = Report(
         subject=f"kvlens report, {datetime.fromtimestamp(now / 1e9, tz=UTC):%Y-%m-%d %H:%M} UTC",
-        html=render_html(title, meta, sections, cid_src),
-        file_html=render_html(title, meta, sections, data_src),
-        text=render_text(title, meta, sections),
+        html=render_html(title, meta, sections, cid_src, first),
+        file_html=render_html(title, meta, sections, data_src, first),
+        text=render_text(title, meta, sections, first),
         charts=all_charts,
     )
     log.info("report built in %.2f s: %d sections, %d charts", time.perf_counter() - started,

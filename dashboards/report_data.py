@@ -105,9 +105,9 @@ def open_db(db: str | Path) -> duckdb.DuckDBPyConnection:
 
 
 def _has_table(con: duckdb.DuckDBPyConnection, table: str) -> bool:
-    found = con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'analysis' "
-                        "AND table_name = ?", [table]).fetchone()
-    return bool(found and found[0])
+    ((found,),) = con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = 'analysis' "
+                              "AND table_name = ?", [table]).fetchall()
+    return bool(found)
 
 
 def rows(con: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any]) -> list[tuple[Any, ...]]:
@@ -120,7 +120,9 @@ def has_rows(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     """Whether the analysis DB holds ``table`` (a schema name, never user input) with any row."""
     if not _has_table(con, table):
         return False
-    return bool(con.execute(f"SELECT EXISTS (SELECT 1 FROM analysis.main.{table})").fetchone()[0])  # type: ignore[index]
+    # fetchall, not fetchone: a result left open would block the next relation on this connection.
+    ((found,),) = con.execute(f"SELECT EXISTS (SELECT 1 FROM analysis.main.{table})").fetchall()
+    return bool(found)
 
 
 def scenario_names(con: duckdb.DuckDBPyConnection, chosen: list[str] | None) -> list[str]:

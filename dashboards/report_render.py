@@ -10,7 +10,7 @@ import html
 import struct
 from dataclasses import dataclass, field
 
-__all__ = ["Chart", "Section", "Table", "png_size", "render_html", "render_text"]
+__all__ = ["Chart", "Lead", "Section", "Table", "png_size", "render_html", "render_text"]
 
 
 def png_size(png: bytes) -> tuple[int, int]:
@@ -47,6 +47,16 @@ class Section:
     charts: list[Chart] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Lead:
+    """The first screen: (element id, sentence) lines, then the actions as (title, effect, basis)."""
+
+    title: str
+    lines: tuple[tuple[str, str], ...]
+    actions: tuple[tuple[str, str, str], ...]
+    note: str = ""
+
+
 _CSS = """
 body{font-family:-apple-system,Segoe UI,Helvetica,Arial,sans-serif;color:#222;max-width:760px;
 margin:24px auto;padding:0 12px;line-height:1.45}
@@ -55,6 +65,9 @@ margin-top:28px}p.meta{color:#666;margin-top:0}table{border-collapse:collapse;ma
 th,td{border:1px solid #ddd;padding:3px 8px;text-align:right}th:first-child,td:first-child{text-align:left}
 th{background:#f4f4f4}img{max-width:100%;height:auto;display:block;margin:8px 0}li{margin:4px 0}
 footer{color:#777;font-size:12px;margin-top:32px}
+div.lead{border:1px solid #c9d7e8;background:#f5f9fd;padding:4px 14px 8px;margin:10px 0}
+div.lead h2{border:0;margin:8px 0 4px}div.lead p{margin:4px 0}ol.actions{margin:4px 0;padding-left:22px}
+ol.actions li{margin:3px 0}span.basis{color:#555;font-size:13px}p.note{color:#666;font-size:12px}
 """.strip().replace("\n", "")
 
 _FOOTER = ("Token hit ratio: hit tokens over prompt tokens. Byte hit ratio: hit KV bytes over the KV bytes "
@@ -67,10 +80,22 @@ def _html_table(t: Table) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def render_html(title: str, meta: str, sections: list[Section], src: dict[str, str]) -> str:
+def _html_lead(lead: Lead) -> str:
+    lines = "".join(f"<p id=\"{key}\">{html.escape(text)}</p>" for key, text in lead.lines)
+    items = "".join(f"<li class=\"action\"><b>{html.escape(t)}</b>: {html.escape(e)} "
+                    f"<span class=\"basis\">({html.escape(b)})</span></li>" for t, e, b in lead.actions)
+    actions = f"<ol id=\"actions\" class=\"actions\">{items}</ol>" if items else ""
+    note = f"<p class=\"note\">{html.escape(lead.note)}</p>" if lead.note else ""
+    return f"<div class=\"lead\" id=\"lead\"><h2>{html.escape(lead.title)}</h2>{lines}{actions}{note}</div>"
+
+
+def render_html(title: str, meta: str, sections: list[Section], src: dict[str, str],
+                lead: Lead | None = None) -> str:
     parts = [f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
              f"<style>{_CSS}</style></head><body><h1>{html.escape(title)}</h1>"
              f"<p class=\"meta\">{html.escape(meta)}</p>"]
+    if lead is not None:
+        parts.append(_html_lead(lead))
     for s in sections:
         parts.append(f"<h2>{html.escape(s.title)}</h2>")
         parts += [f"<p>{html.escape(p)}</p>" for p in s.paragraphs]
@@ -94,8 +119,13 @@ def _text_table(t: Table) -> list[str]:
     return [line(r) for r in cells]
 
 
-def render_text(title: str, meta: str, sections: list[Section]) -> str:
+def render_text(title: str, meta: str, sections: list[Section], lead: Lead | None = None) -> str:
     lines = [title, "=" * len(title), meta]
+    if lead is not None:
+        lines += ["", lead.title, "-" * len(lead.title), *(text for _, text in lead.lines)]
+        lines += [f"{i}. {t}: {e} ({b})" for i, (t, e, b) in enumerate(lead.actions, 1)]
+        if lead.note:
+            lines.append(lead.note)
     for s in sections:
         lines += ["", s.title, "-" * len(s.title)]
         lines += s.paragraphs

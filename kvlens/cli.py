@@ -206,8 +206,12 @@ def demo_cmd(workdir: str) -> None:
 @click.option("--metrics-from", default=None, metavar="SCENARIO",
               help="Scenario holding the engines' scraped metrics (e.g. live); default: each analyzed "
                    "scenario itself. Writes reconciliation: engine hit counters beside the ledger.")
+@click.option("--full", is_flag=True,
+              help="Rebuild every scenario from the lake; by default a scenario whose lake segments "
+                   "are unchanged is copied from the previous DB.")
 def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | None, model_config: str | None,
-                cache_tokens: int | None, join: tuple[str, ...], metrics_from: str | None) -> None:
+                cache_tokens: int | None, join: tuple[str, ...], metrics_from: str | None,
+                full: bool) -> None:
     """Replay the lake into the analysis DB: block outcomes, the miss ledger, and more.
 
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
@@ -219,7 +223,9 @@ def analyze_cmd(lake: str, db: str, scenarios: tuple[str, ...], model: str | Non
                                  item_show_func=lambda s: s or "")
 
     result = analyze_lake(lake, db, scenarios, given_model(model, model_config), cache_tokens=cache_tokens,
-                          join=join, metrics_from=metrics_from, progress=bar)
+                          join=join, metrics_from=metrics_from, progress=bar, full=full)
+    for scenario, mode, why in result.modes:
+        click.echo(f"{scenario}: {mode} ({why})", err=True)
     click.echo(f"analysis DB written: {result.db}")
 
 
@@ -409,15 +415,20 @@ def gateway_cmd(**flags: Any) -> None:
                    "scenario's own latest arrival (replayed traces keep their own epochs).")
 @click.option("--scenario", "scenarios", multiple=True, help="Scenario to report (repeat); default: all.")
 @mail_options
+@click.option("--gpu-hour-price", type=click.FloatRange(min=0), default=None, metavar="USD",
+              help="Price of one GPU-hour, for avoidable recompute in money (else --config's [costs]).")
+@click.option("--production", default=None, metavar="SCENARIO",
+              help="Scenario the first screen is about (default: the measured one with the most tokens).")
 def report_cmd(db: str, out: str, since: str, now: str | None, scenarios: tuple[str, ...], config: str | None,
-               **mail: Any) -> None:
-    """Write the report (headline ratios, ledger chart, findings, change) as HTML; optionally email it.
+               gpu_hour_price: float | None, production: str | None, **mail: Any) -> None:
+    """Write the report (what happened, why, what to do, its worth; then the evidence) as HTML; or email it.
 
     Example: kvlens report --db kvlens.duckdb --out report.html --email-to ops@example.com --smtp mail:25
     """
     from kvlens.dashboards.commands import run_report
 
-    r = run_report(db, out, since=since, now_ns=parse_now(now), scenarios=scenarios, mail=mail, config=config)
+    r = run_report(db, out, since=since, now_ns=parse_now(now), scenarios=scenarios, mail=mail, config=config,
+                   gpu_hour_price=gpu_hour_price, production=production)
     click.echo(f"report written: {r.path} ({r.size_bytes / 1024:,.0f} KiB, {r.charts} charts)")
     if r.recipients:
         click.echo(f"report sent to {', '.join(r.recipients)} through {r.smtp}")
@@ -450,14 +461,16 @@ def export_cmd(db: str, port: int, host: str, duration: float | None, top_prefix
               help="Port the dashboard serves on.")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to bind (0.0.0.0 serves every interface).")
-def dashboard_cmd(db: str, port: int, host: str) -> None:
+@click.option("--gpu-hour-price", type=click.FloatRange(min=0), default=None, metavar="USD",
+              help="Price of one GPU-hour: the overview puts avoidable recompute in money.")
+def dashboard_cmd(db: str, port: int, host: str, gpu_hour_price: float | None) -> None:
     """Serve the read-only Streamlit dashboard over an analysis DB.
 
     Example: kvlens dashboard --db kvlens-demo/kvlens.duckdb --port 8501
     """
     from kvlens.dashboards.commands import run_dashboard
 
-    rc = run_dashboard(db, port=port, host=host, announce=_announce)
+    rc = run_dashboard(db, port=port, host=host, announce=_announce, gpu_hour_price=gpu_hour_price)
     if rc:
         raise click.ClickException(f"the dashboard's Streamlit server exited with status {rc}: "
                                    "see its messages above")

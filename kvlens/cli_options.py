@@ -195,7 +195,7 @@ mail_options = options(
     click.option("--from", "sender", default=None, help="Sender address (default: kvlens@localhost)."),
     click.option("--subject", default=None, help="Subject (default: 'kvlens report, <window end>')."),
     click.option("--config", default=None, type=click.Path(dir_okay=False),
-                 help="kvlens.toml whose [smtp] table gives what the email flags do not."),
+                 help="kvlens.toml whose [smtp] gives what the email flags do not ([costs]: the price)."),
 )
 
 # kvlens hash's cache-key flags, named as collector/hashing.py's vllm_block_hashes keywords.

@@ -22,6 +22,9 @@ user = "kvlens"                               # optional; needs password_env
 password_env = "KVLENS_SMTP_PASSWORD"         # the variable holding the password, never the password
 from = "kvlens@example.com"
 to = ["ops@example.com", "kv-team@example.com"]
+
+[costs]                                       # for kvlens report (what avoidable recompute is worth)
+gpu_hour_usd = 2.50                           # price of one GPU-hour, in USD
 ```
 
 CLI flags override what the file says.
@@ -111,6 +114,7 @@ class SmtpConfig:
 class Config:
     replicas: tuple[ReplicaConfig, ...] = ()
     smtp: SmtpConfig | None = None
+    gpu_hour_usd: float | None = None  # [costs] gpu_hour_usd
     raw: dict[str, Any] = field(default_factory=dict)
 
 
@@ -191,6 +195,15 @@ def _smtp(entry: Any, where: str) -> SmtpConfig:
                       sender=entry.get("from"), to=tuple(to))
 
 
+def _gpu_hour_usd(entry: Any, where: str) -> float | None:
+    if not isinstance(entry, dict) or set(entry) - {"gpu_hour_usd"}:
+        raise ConfigError(f"{where}: [costs] takes one key, gpu_hour_usd = 2.50 (USD per GPU-hour)")
+    price = entry.get("gpu_hour_usd")
+    if price is not None and (isinstance(price, bool) or not isinstance(price, int | float) or price < 0):
+        raise ConfigError(f"{where}: gpu_hour_usd must be a number of USD, 0 or more, such as 2.50")
+    return None if price is None else float(price)
+
+
 def load_config(path: str | Path) -> Config:
     """Read ``kvlens.toml``; a missing file or a bad entry is a ConfigError naming it."""
     p = Path(path)
@@ -209,7 +222,8 @@ def load_config(path: str | Path) -> Config:
     if len(names) != len(set(names)):
         raise ConfigError(f"{p}: replica names repeat: {sorted(names)}; give each its own name")
     smtp = _smtp(raw["smtp"], f"{p} [smtp]") if "smtp" in raw else None
-    return Config(replicas=replicas, smtp=smtp, raw=raw)
+    price = _gpu_hour_usd(raw["costs"], f"{p} [costs]") if "costs" in raw else None
+    return Config(replicas=replicas, smtp=smtp, gpu_hour_usd=price, raw=raw)
 
 
 def merge_flags(flags: Mapping[str, Any], file: Mapping[str, Any], defaults: Mapping[str, Any] | None = None,

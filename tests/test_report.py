@@ -180,7 +180,7 @@ def test_every_modelled_number_of_the_demo_report_says_so(demo_report: Report) -
     # Every scenario of the demo report is a simulated what-if: each TTFT figure in the headline
     # and the tails carries its label, and each finding says modelled.
     text = demo_report.text
-    for title in ("Headline", "Latency tails (whole scenario)"):
+    for title in ("Every scenario (what-ifs named as such)", "Latency tails (whole scenario)"):
         part = _section(text, title)
         assert "(modelled)" in part and not _TIME.findall(part.split("\n\n", 1)[-1]), title
     bullets = [line for line in _section(text, "Top findings").splitlines() if line.startswith("- ")]

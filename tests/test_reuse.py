@@ -97,7 +97,7 @@ def _relations(con: duckdb.DuckDBPyConnection) -> tuple[duckdb.DuckDBPyRelation,
         "ts_ns": [10, 20, 30, 40], "scenario": ["s"] * 4, "replica": ["a", "a", "b", "a"],
         "seq": [1, 2, 3, 4], "kind": ["stored", "stored", "stored", "removed"],
         "block_hash": pl.Series([1, 2, 1, 1], dtype=pl.UInt64),
-        "block_tokens": [16, None, 16, 16], "medium": ["gpu"] * 4,
+        "block_tokens": [16, None, 16, 16], "medium": ["gpu"] * 4, "position": [0, 1, 0, 0],
     })
     return con.from_arrow(rb.to_arrow()), con.from_arrow(req.to_arrow()), con.from_arrow(ev.to_arrow())
 
@@ -143,3 +143,24 @@ def test_a_shared_access_stream_gives_the_same_tables(tmp_path: Path, mooncake3:
     assert reuse(**kw, requests=reqs).equals(reuse(**kw, stream=shared))
     assert mrc(**kw, sample_rate=0.5).equals(mrc(**kw, sample_rate=0.5, stream=shared))
     assert ttl_coverage(**kw).equals(ttl_coverage(**kw, stream=shared))
+
+
+def test_event_stream_order_does_not_depend_on_row_order() -> None:
+    """One stored event carries a chain of blocks (same ts_ns, replica, seq): they are accessed in
+    position order whatever order the lake's segments hold the rows in, so two analyses of the
+    same lake give the same fleet distances (kvlens analyze's incremental mode relies on it)."""
+    con = duckdb.connect()
+    rb, req, _ = _relations(con)
+    blocks = list(range(1, 9))
+    rows = {"ts_ns": [100] * 8 + [200] * 8, "seq": [1] * 8 + [2] * 8, "replica": ["a"] * 16,
+            "kind": ["stored"] * 16, "block_hash": blocks + blocks, "position": list(range(8)) * 2,
+            "block_tokens": [16] * 16, "medium": ["gpu"] * 16, "scenario": ["s"] * 16}
+    ordered = pl.DataFrame(rows)
+    outs = []
+    for frame in (ordered, ordered.reverse(), ordered.sample(fraction=1.0, shuffle=True, seed=3)):
+        ev = con.from_arrow(frame.to_arrow())
+        out = reuse(request_blocks=rb, kv_events=ev, bytes_per_token=2, scenario="s", requests=req)
+        outs.append(out.filter(pl.col("stream") == "fleet").sort("ts_ns", "block_hash"))
+    # Each block of the second event is re-stored with the 7 others of the chain in between: 8.
+    assert outs[0]["distance_blocks"].to_list() == [8] * 8
+    assert outs[1].equals(outs[0]) and outs[2].equals(outs[0])

@@ -27,7 +27,7 @@ def prefixes(ctx: Context) -> None:
         col.metric(str(row["recommendation"]), f"{row['len']:,}")
     show_chart(
         charts.prefix_benefit_chart(
-            ranking.head(_TOP_PREFIXES), title=f"Top {_TOP_PREFIXES} prefixes by expected benefit"
+            ranking.head(_TOP_PREFIXES), title=f"Which {_TOP_PREFIXES} prefixes are worth publishing most?"
         )
     )
     st.dataframe(ranking, hide_index=True)

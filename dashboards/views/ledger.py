@@ -26,6 +26,7 @@ from kvlens.dashboards.queries import (
     scenario_span_ns,
     trend,
 )
+from kvlens.dashboards.views.decision import decision
 
 __all__ = ["misses", "overview"]
 
@@ -83,6 +84,8 @@ def overview(ctx: Context) -> None:
     if not has_rows(ctx, "miss_ledger"):
         no_rows(ctx, "miss_ledger")
         return
+    decision(ctx)  # the report's first screen, in its order; the whole selected range follows
+    st.subheader("The selected range")
     _headline(ctx)
     ledger = ledger_by_outcome(ctx.cur, ctx.window)
     show_chart(charts.ledger_chart(ledger))
@@ -94,7 +97,7 @@ def overview(ctx: Context) -> None:
         show_chart(
             charts.hit_ratio_trend_chart(
                 trend(ctx.cur, ctx.window, bucket_ns),
-                title=f"Token hit ratio per {bucket_ns // 60_000_000_000} min",
+                title=f"How did the token hit ratio move ({bucket_ns // 60_000_000_000} min buckets)?",
             )
         )
     st.subheader("Ledger by outcome")
@@ -140,7 +143,7 @@ def misses(ctx: Context) -> None:
     )
     outcome = st.selectbox("Outcome", misses_only["outcome"].to_list(), key="miss_outcome")
     replicas = analyses.outcome_replicas(ctx.cur, ctx.window, outcome)
-    show_chart(charts.replica_bar_chart(replicas, title=f"{outcome}: tokens per replica"))
+    show_chart(charts.replica_bar_chart(replicas, title=f"Which replicas had the {outcome} tokens?"))
     if replicas.height == 0:
         return
     replica = st.selectbox("Replica", replicas["replica"].to_list(), key="miss_replica")

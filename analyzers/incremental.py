@@ -1,0 +1,278 @@
+"""analyzers' incremental step for ``kvlens analyze``: which scenarios need analyzing, and the state
+that says so, kept in the analysis DB beside the results.
+
+What "new data" is. The lake is append-only per writer: every flush adds a segment file under
+``<table>/scenario=NAME/date=*/`` and never rewrites one; ``kvlens import`` / ``simulate``
+replace a scenario by swapping in new segments with new names. So a scenario's inputs are named
+by the set of segments it reads: its own in every lake table, those of its ``--join`` sources
+and of its ``--metrics-from`` scenario, and every ``probe_runs`` segment (the cost model reads
+them all). Each is recorded by path, size and modification time, with its oldest row. The
+watermark of a scenario is the newest row time among its segments when it was analyzed.
+
+On the next ``kvlens analyze`` each chosen scenario is, in this order:
+
+- ``full``: rebuilt from the lake, when ``--full`` was given, when the previous DB has no state
+  (written by an older kvlens, or damaged), or when what its results depend on besides the lake
+  changed: the model geometry (or where it came from), ``--cache-tokens``, ``--join``,
+  ``--metrics-from``, the analysis DB's schema version or the analyzers' code (a digest of
+  their source files);
+- ``full`` as well when a recorded segment is gone (a re-import, ``kvlens compact``) or a new
+  segment holds rows older than the watermark less ``LATE_LAG_NS`` (a late segment, e.g. from a
+  collector that flushed late): the reason is logged;
+- ``carried``: its input segments are exactly those recorded: its rows are copied from the
+  previous DB, unchanged (``analyzed_ns`` in ``scenarios`` keeps the time they were computed);
+- ``appended``: only new segments, none late: analyzed again over the whole scenario.
+
+Every analysis of a scenario is today recomputed over the whole scenario when the scenario has
+new data; continuing the replay from a saved state (residency per block and replica, the reuse
+kernels' stack) is not implemented yet, so an ``appended`` scenario costs what a full one does,
+and only unchanged scenarios are cheap. Results are identical to a full analysis by construction.
+
+What continuing would take, per output table (the plan; none of it is built). Append-only per
+request once its replay state is known: ``block_outcomes`` (the replay of analyzers/replay.py,
+whose state is the residency bit masks per block row and location, the content/namespace maps, and
+``loc_grp``, today computed over the whole event stream, a look-ahead to remove first; a request's
+own stores after its arrival move its look-up, analyzers/admission.py, so requests within a lag of
+the watermark wait for the next run), ``request_ledger``, ``request_sources`` and ``reuse`` (the
+Fenwick tree and last slot per key of analyzers/reuse.py's stack kernels, per stream). Mergeable
+aggregates: ``miss_ledger``, ``flows`` (per window; the open one recomputed), ``tier_payoff``,
+``tier_reconciliation``, ``fanout``, the exact ``mrc`` histogram (SHARDS keeps its sample heap).
+Global, recomputed from stored rows: ``scenarios``, ``latency_tails`` (quantiles), ``warmup``,
+``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``, ``hygiene``,
+``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured on the
+2,000-request ``rr2`` lake of tests/bench/bench_incremental.py, one in-process analysis of 6.1 s:
+the ledger (block outcomes, request ledger, provenance) 3.1 s, flows 0.8 s, tier_payoff 0.7 s,
+reuse 0.45 s, warmup 0.3 s, the rest under 0.2 s each.
+
+The state is the table ``kvlens_state`` of the analysis DB, written in the same file as the
+results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
+kill during an analysis leaves the previous DB and its state together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+
+from kvlens.analysis_db import attach_analysis_db
+from kvlens.errors import ConfigError
+from kvlens.models import ModelGeometry
+from kvlens.schema import LAKE_TABLES, SCHEMA_VERSION, TABLES
+
+__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "carry_scenario", "code_digest",
+           "decide", "detach_previous", "previous_state", "scenario_inputs", "snapshot", "write_state"]
+
+log = logging.getLogger(__name__)
+
+# A new segment may hold rows this much older than the watermark and still count as new data
+# (collectors flush on their own clocks and intervals); older rows make it a late segment.
+LATE_LAG_NS = 60 * 1_000_000_000
+STATE_TABLE = "kvlens_state"
+PREVIOUS = "kvlens_prev"  # the alias the previous analysis DB is attached under
+_STATE_COLUMNS = "scenario VARCHAR, config VARCHAR, segments VARCHAR, watermark_ns BIGINT, mode VARCHAR"
+CREATE_STATE_SQL = f"CREATE TABLE IF NOT EXISTS {STATE_TABLE} ({_STATE_COLUMNS})"
+INSERT_STATE_SQL = f"INSERT INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?)"
+PREVIOUS_STATE_SQL = f"SELECT scenario, config, segments, watermark_ns FROM {PREVIOUS}.{STATE_TABLE}"
+PREVIOUS_VERSION_SQL = f"SELECT value FROM {PREVIOUS}.kvlens_meta WHERE key = 'schema_version'"
+_GLOBAL_TABLES = ("probe_runs",)  # read whole by every scenario (analyzers/costs.py)
+_CODE_FILES = ("models.py", "schema.py", "analysis_db.py", "lake.py", "query.py")  # what analyzers import
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One lake segment a scenario reads: its path under the lake, size, mtime and oldest row."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    oldest_ns: int | None
+    newest_ns: int | None
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What one scenario's results depend on: the configuration (as JSON) and its segments."""
+
+    config: str
+    segments: tuple[Segment, ...]
+
+    @property
+    def watermark_ns(self) -> int | None:
+        times = [s.newest_ns for s in self.segments if s.newest_ns is not None]
+        return max(times) if times else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How a scenario is analyzed this time (``full``, ``carried`` or ``appended``) and why."""
+
+    mode: str
+    reason: str
+
+
+def code_digest() -> str:
+    """A digest of the analyzers' source (and the spine files their results depend on)."""
+    here = Path(__file__).resolve().parent
+    spine = here.parent / "kvlens" if (here.parent / "kvlens").is_dir() else here.parent
+    files = sorted(here.glob("*.py")) + [spine / name for name in _CODE_FILES]
+    digest = hashlib.sha256()
+    for path in files:
+        if path.exists():
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def config_of(model: ModelGeometry, model_source: str, *, cache_tokens: int | None, join: Sequence[str],
+              metrics_from: str | None, code: str) -> str:
+    """The configuration a scenario's results depend on, besides the lake, as canonical JSON."""
+    return json.dumps({"model": dataclasses.asdict(model), "model_source": model_source,
+                       "cache_tokens": cache_tokens, "join": list(join), "metrics_from": metrics_from,
+                       "schema_version": SCHEMA_VERSION, "code": code}, sort_keys=True, default=str)
+
+
+def _time_range(path: Path, column: str | None) -> tuple[int | None, int | None]:
+    """(oldest, newest) of ``column`` in a segment, from its row-group statistics (no data read)."""
+    if column is None:
+        return None, None
+    meta = pq.read_metadata(path)
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if column not in names:
+        return None, None
+    idx = names.index(column)
+    lows, highs = [], []
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(idx).statistics
+        if stats is None or not stats.has_min_max:
+            return None, None
+        lows.append(int(stats.min))
+        highs.append(int(stats.max))
+    return (min(lows), max(highs)) if lows else (None, None)
+
+
+def snapshot(lake: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
+    """Every committed segment of the lake now: path under the lake -> (size, mtime). Taken before
+    the lake's views are bound, so a segment that lands in between is analyzed but not recorded
+    (the next run sees it as new and analyzes it again) rather than recorded but not analyzed."""
+    root = Path(lake)
+    found = {}
+    for table in LAKE_TABLES:
+        for path in sorted((root / table.name).glob("**/*.parquet")):
+            if not path.name.startswith("."):
+                st = path.stat()
+                found[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
+    return found
+
+
+def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int, int]], scenario: str,
+                    config: str, *, join: Sequence[str], metrics_from: str | None,
+                    known: Inputs | None = None) -> Inputs:
+    """The segments of ``segments`` (a ``snapshot``) that ``scenario`` reads, with their row times
+    (from ``known`` where the same file was seen before, else from its Parquet statistics)."""
+    read = {scenario, *join} | ({metrics_from} if metrics_from else set())
+    seen = {s.path: s for s in known.segments} if known else {}
+    picked: list[Segment] = []
+    for table in LAKE_TABLES:
+        prefixes = ([f"{table.name}/"] if table.name in _GLOBAL_TABLES
+                    else [f"{table.name}/scenario={s}/" for s in sorted(read)])
+        for path, (size, mtime) in segments.items():
+            if not path.startswith(tuple(prefixes)):
+                continue
+            old = seen.get(path)
+            if old is not None and (old.size, old.mtime_ns) == (size, mtime):
+                picked.append(old)
+                continue
+            oldest, newest = _time_range(Path(lake) / path, table.time_column)
+            picked.append(Segment(path, size, mtime, oldest, newest))
+    return Inputs(config, tuple(picked))
+
+
+def previous_state(con: duckdb.DuckDBPyConnection, db: Path) -> dict[str, Inputs] | str:
+    """Attach the previous analysis DB as ``kvlens_prev`` and read its state; a str says why
+    there is none (nothing is attached then)."""
+    if not db.exists():
+        return "no previous analysis DB"
+    try:
+        attach_analysis_db(con, db, PREVIOUS)
+    except ConfigError as e:
+        return f"previous analysis DB unreadable ({e})"
+    try:
+        version = con.execute(PREVIOUS_VERSION_SQL).fetchall()
+        if version != [(str(SCHEMA_VERSION),)]:
+            raise LookupError(f"previous analysis DB has schema version {version[0][0] if version else '?'}")
+        rows = con.execute(PREVIOUS_STATE_SQL).fetchall()
+    except (duckdb.Error, LookupError) as e:
+        con.execute(f"DETACH {PREVIOUS}")
+        said = str(e).splitlines()[0] if isinstance(e, LookupError) else "previous analysis DB has no state"
+        return said
+    state = {}
+    for scenario, config, segments, _ in rows:
+        state[scenario] = Inputs(config, tuple(Segment(**s) for s in json.loads(segments)))
+    return state
+
+
+def decide(now: Inputs, before: Inputs | None, *, full: bool, no_state: str | None) -> Decision:
+    """How to analyze a scenario whose inputs are ``now``, given those of the previous run."""
+    if full:
+        return Decision("full", "--full given")
+    if no_state is not None:
+        return Decision("full", no_state)
+    if before is None:
+        return Decision("full", "not in the previous analysis DB")
+    if now.config != before.config:
+        old, new = json.loads(before.config), json.loads(now.config)
+        changed = sorted(k for k in set(old) | set(new) if old.get(k) != new.get(k))
+        return Decision("full", f"{', '.join(changed)} changed since the previous analysis")
+    current = {s.path: s for s in now.segments}
+    gone = [s.path for s in before.segments if current.get(s.path) != s]
+    if gone:
+        return Decision("full", f"{len(gone)} segment(s) analyzed before are gone or rewritten, "
+                                f"e.g. {gone[0]}")
+    known = {s.path for s in before.segments}
+    new = [s for s in now.segments if s.path not in known]
+    if not new:
+        return Decision("carried", "no new segments")
+    mark = before.watermark_ns
+    late = [s for s in new
+            if mark is not None and s.oldest_ns is not None and s.oldest_ns < mark - LATE_LAG_NS]
+    if late:
+        return Decision("full", f"late segment {late[0].path}: its oldest row ({late[0].oldest_ns} ns) is "
+                                f"older than the watermark {mark} ns less the lag {LATE_LAG_NS} ns")
+    return Decision("appended", f"{len(new)} new segment(s) after the watermark {mark} ns")
+
+
+def carry_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> int:
+    """Copy ``scenario``'s rows of every analysis table from the attached previous DB; rows copied."""
+    copied = 0
+    for table in TABLES.values():
+        if table.kind != "analysis":
+            continue
+        cols = ", ".join(table.names)
+        ((n,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.{table.name} WHERE scenario = ?",
+                              [scenario]).fetchall()
+        if n:
+            con.execute(f"INSERT INTO {table.name} ({cols}) SELECT {cols} FROM {PREVIOUS}.{table.name} "
+                        "WHERE scenario = ?", [scenario])
+            copied += n
+    return copied
+
+
+def detach_previous(con: duckdb.DuckDBPyConnection) -> None:
+    """Detach the previous analysis DB (before the new one is renamed over it)."""
+    con.execute(f"DETACH {PREVIOUS}")
+
+
+def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, decision: Decision) -> None:
+    """Record what ``scenario`` was analyzed from, in the DB being built (committed with it)."""
+    con.execute(CREATE_STATE_SQL)
+    segments = json.dumps([dataclasses.asdict(s) for s in inputs.segments])
+    con.execute(INSERT_STATE_SQL, [scenario, inputs.config, segments, inputs.watermark_ns, decision.mode])

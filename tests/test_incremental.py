@@ -1,0 +1,238 @@
+"""Tests for incremental `kvlens analyze` (analyzers/incremental.py): after every increment of a
+growing lake, the incrementally kept analysis DB equals a full analysis of the lake at that moment."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import duckdb
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from incremental_lake import assert_same_db, cut, source_lake, time_bounds
+
+import kvlens.analyzers as analyzers
+from kvlens.analyzers.analyze import AnalyzeResult, analyze_lake
+from kvlens.analyzers.incremental import STATE_TABLE
+from kvlens.cli import cli
+from kvlens.lake import open_lake
+from kvlens.models import get_model
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """300 requests of the sample trace (``conv``), a 2-replica fleet with a pool serving them (``rr2``)."""
+    return source_lake(tmp_path_factory.mktemp("incr-source"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return source_lake(tmp_path_factory.mktemp("incr-tiny"), requests=40)
+
+
+def _modes(result: AnalyzeResult) -> dict[str, str]:
+    return {scenario: mode for scenario, mode, _ in result.modes}
+
+
+def test_five_increments_each_equal_a_full_analysis(source: Path, tmp_path: Path) -> None:
+    """The lake grows by five time slices of rr2 (conv lands whole in the first): after each, the
+    incremental DB equals a full one, every table and row; an unchanged scenario is carried."""
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(source, 5)
+    compared = []
+    for k in range(5):
+        lo = None if k == 0 else bounds[k]
+        assert cut(source, lake, lo, bounds[k + 1], writer=f"inc{k}", scenarios=["rr2"]) > 0
+        if k == 0:
+            cut(source, lake, None, bounds[-1], writer="conv", scenarios=["conv"])
+        modes = _modes(analyze_lake(lake, db))
+        analyze_lake(lake, full, full=True)
+        counts = assert_same_db(db, full)
+        compared.append(sum(counts.values()))
+        want = {"conv": "full", "rr2": "full"} if k == 0 else {"conv": "carried", "rr2": "appended"}
+        assert modes == want
+    assert compared == sorted(compared) and compared[0] < compared[-1]  # the lake, and the DB, grew
+    assert _modes(analyze_lake(lake, db)) == {"conv": "carried", "rr2": "carried"}
+    assert_same_db(db, full)
+
+
+def test_full_flag_equals_the_default(tiny: Path, tmp_path: Path) -> None:
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(tiny, 2)
+    runner = CliRunner()
+    for k in range(2):
+        cut(tiny, lake, None if k == 0 else bounds[k], bounds[k + 1], writer=f"inc{k}")
+        default = runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db)])
+        assert default.exit_code == 0, default.output
+        forced = runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(full), "--full"])
+        assert forced.exit_code == 0, forced.output
+        assert_same_db(db, full)
+    assert "rr2: appended (" in default.stderr
+    assert "rr2: full (--full given)" in forced.stderr
+
+
+def test_a_late_segment_falls_back_to_a_full_rebuild(source: Path, tmp_path: Path,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """Rows older than the watermark (less the lag) arriving after it was analyzed: the scenario is
+    rebuilt, and the log says which segment was late."""
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(source, 3)
+    cut(source, lake, None, bounds[1], writer="early", scenarios=["rr2"])
+    cut(source, lake, bounds[2], bounds[3], writer="recent", scenarios=["rr2"])
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "full"}
+    cut(source, lake, bounds[1], bounds[2], writer="late", scenarios=["rr2"])
+    with caplog.at_level(logging.INFO, logger="kvlens.analyzers.analyze"):
+        result = analyze_lake(lake, db)
+    ((_, mode, why),) = result.modes
+    assert mode == "full" and why.startswith("late segment ") and "/scenario=rr2/" in why
+    assert any("rr2: full (late segment" in r.getMessage() for r in caplog.records)
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
+
+
+def test_a_changed_model_or_gone_segment_rebuilds(tiny: Path, tmp_path: Path) -> None:
+    lake, db = tmp_path / "lake", tmp_path / "incr.duckdb"
+    shutil.copytree(tiny, lake)
+    analyze_lake(lake, db)
+    result = analyze_lake(lake, db, model=get_model("llama-3.1-8b"))
+    assert {m for _, m, _ in result.modes} == {"full"}
+    assert all("model" in why for _, _, why in result.modes)
+    segment = next((lake / "transfers" / "scenario=rr2").rglob("*.parquet"))
+    segment.unlink()  # as kvlens compact would
+    result = analyze_lake(lake, db, model=get_model("llama-3.1-8b"))
+    assert dict((s, why) for s, _, why in result.modes)["rr2"].endswith(str(segment.relative_to(lake)))
+    assert _modes(result) == {"conv": "carried", "rr2": "full"}
+    con = duckdb.connect(str(db))
+    try:
+        con.execute(f"DROP TABLE {STATE_TABLE}")  # as a DB written before incremental analysis
+    finally:
+        con.close()
+    result = analyze_lake(lake, db, model=get_model("llama-3.1-8b"))
+    assert set(result.modes) == {(s, "full", "previous analysis DB has no state") for s in ("conv", "rr2")}
+
+
+def test_a_failed_analysis_leaves_the_previous_db_and_state(tiny: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state is written in the same file as the results: an analysis that dies half-way (here
+    an error in the second scenario) leaves the previous DB, and the next run resumes from it."""
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(tiny, 2)
+    cut(tiny, lake, None, bounds[1], writer="inc0")
+    analyze_lake(lake, db)
+    before = _state(db)
+    cut(tiny, lake, bounds[1], bounds[2], writer="inc1")
+    real = analyzers.analyze_scenario
+    seen: list[str] = []
+
+    def dies_on_the_second(con: duckdb.DuckDBPyConnection, scenario: str, *a: object,
+                           **kw: object) -> Iterator[object]:
+        seen.append(scenario)
+        if len(seen) == 2:
+            raise KeyboardInterrupt
+        yield from real(con, scenario, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(analyzers, "analyze_scenario", dies_on_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        analyze_lake(lake, db)
+    monkeypatch.undo()
+    assert _state(db) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["incr.duckdb", "lake"]
+    assert set(_modes(analyze_lake(lake, db)).values()) == {"appended"}
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
+
+
+def _state(db: Path) -> list[tuple[object, ...]]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        return con.execute(f"SELECT * FROM {STATE_TABLE} ORDER BY scenario").fetchall()
+    finally:
+        con.close()
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cuts=st.lists(st.floats(0.02, 0.98), min_size=1, max_size=3, unique=True),
+       order=st.permutations(range(4)), conv_first=st.booleans())
+def test_random_cuts_equal_a_full_analysis(tiny: Path, tmp_path_factory: pytest.TempPathFactory,
+                                           cuts: list[float], order: list[int], conv_first: bool) -> None:
+    """Any cut of the tiny lake into time slices, delivered in any order (out of order: late
+    segments), analyzed after each: the incremental DB always equals a full analysis."""
+    root = tmp_path_factory.mktemp("incr-random")
+    lake, db, full = root / "lake", root / "incr.duckdb", root / "full.duckdb"
+    first, last = _span(tiny)
+    edges = [first] + [first + round((last - first) * c) for c in sorted(cuts)] + [2**62]
+    slices = list(itertools.pairwise(edges))
+    if conv_first:
+        cut(tiny, lake, None, 2**62, writer="conv", scenarios=["conv"])
+    for n, i in enumerate(i for i in order if i < len(slices)):
+        lo, hi = slices[i]
+        if cut(tiny, lake, None if i == 0 else lo, hi, writer=f"s{n}", scenarios=["rr2"]) == 0:
+            continue
+        if not conv_first and n == 0:
+            cut(tiny, lake, None, 2**62, writer="conv", scenarios=["conv"])
+        analyze_lake(lake, db)
+        analyze_lake(lake, full, full=True)
+        assert_same_db(db, full)
+    shutil.rmtree(root)
+
+
+def _span(lake: Path) -> tuple[int, int]:
+    """The first and last request arrival of ``lake``."""
+    first, _ = time_bounds(lake, 1)
+    con = duckdb.connect()
+    try:
+        open_lake(con, lake)
+        ((last,),) = con.execute("SELECT max(arrival_ns) FROM requests").fetchall()
+    finally:
+        con.close()
+    return first, int(last)
+
+
+# A child that analyzes the lake and, when its second scenario starts, says so on stdout and waits
+# on stdin (for ever, unless killed): the parent kills it there with SIGKILL.
+_STALLS = """
+import sys
+import kvlens.analyzers as analyzers
+from kvlens.analyzers.analyze import analyze_lake
+real, seen = analyzers.analyze_scenario, []
+def stalls(con, scenario, *a, **kw):
+    seen.append(scenario)
+    if len(seen) == 2:
+        print("analyzing", flush=True)
+        sys.stdin.read()
+    yield from real(con, scenario, *a, **kw)
+analyzers.analyze_scenario = stalls
+analyze_lake(sys.argv[1], sys.argv[2])
+"""
+
+
+def test_a_killed_analysis_leaves_the_previous_db_and_the_next_completes(tiny: Path, tmp_path: Path) -> None:
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(tiny, 2)
+    cut(tiny, lake, None, bounds[1], writer="inc0")
+    analyze_lake(lake, db)
+    before = _state(db)
+    cut(tiny, lake, bounds[1], bounds[2], writer="inc1")
+    with subprocess.Popen([sys.executable, "-c", _STALLS, str(lake), str(db)], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True) as child:
+        assert child.stdout is not None and child.stdin is not None
+        assert child.stdout.readline().strip() == "analyzing"
+        assert any(p.name.startswith(".incr.duckdb.") for p in tmp_path.iterdir())  # mid-build
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+        child.stdin.close()
+        child.stdout.close()
+    assert child.returncode == -signal.SIGKILL
+    assert _state(db) == before  # the previous DB, readable, with its own state
+    assert set(_modes(analyze_lake(lake, db)).values()) == {"appended"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["incr.duckdb", "lake"]  # leftovers removed
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
