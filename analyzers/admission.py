@@ -22,10 +22,15 @@ event is one request's allocation, so a run is claimed once: by the first reques
 time order, whose run it can be. The run must be stamped after the request's look-up time (a
 batch published after the step that admitted it) and not lie across the shared pool's events;
 the simulators' requests keep the time rule, which their streams are stamped to agree with. A
-request that stores none of its prompt blocks at admission (every full block hit, a partial
-tail left) has no such run: its look-up stays at its time (arrival plus queue time), as before;
-so does every request of a hybrid model's replica (several KV cache groups, each publishing its
-own runs, a sliding window's with gaps), which this rule does not cover yet.
+request that stores none of its prompt blocks at admission has no such run: every full block it
+needed was then cached (a block it had to compute, allocate_slots would have stored), so its
+look-up is the first place, from its time (arrival plus queue time) on, where its replica holds
+every one of its full blocks: a request admitted in the same step after one that stored them
+sees them, although their batch is stamped after both arrived (measured live: two engines behind
+kvlens gateway, a request of 5 full blocks admitted just after another of the same system prompt
+read 0 hit tokens where the engine had 160). Where no such place is found, it stays at its time.
+Every request of a hybrid model's replica (several KV cache groups, each publishing its own runs,
+a sliding window's with gaps) keeps its time; this rule does not cover them yet.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ import polars as pl
 
 __all__ = ["admission_cuts"]
 
-_STORED = 0
+_STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
 # Stores of one block after a request's arrival looked at per block: a block is stored again only
 # after an eviction, so the request's own run is among the first few; the bound keeps a hot block
 # (a system prompt re-stored all day) from making the search quadratic.
@@ -95,6 +100,36 @@ def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc
     return best
 
 
+def _held_at(ev: dict[str, np.ndarray], loc: int, h: int, place: int, last_store: int) -> bool:
+    """Block ``h``, last stored on ``loc`` at row ``last_store``, is still there at stream ``place``:
+    no removal of it, nor a clear of ``loc``, between."""
+    kinds, locs = ev["ev_kind"][last_store + 1:place], ev["ev_loc"][last_store + 1:place]
+    removed = (kinds != _STORED) & (ev["ev_h"][last_store + 1:place] == h)
+    gone = (locs == loc) & (removed | (kinds == _CLEARED))
+    return not bool(gone.any())
+
+
+def _all_held(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
+              start: int) -> int:
+    """The first stream place from ``start`` on where ``loc`` holds every block of ``chain``
+    (``start`` when none is found): a request that stored nothing found them all cached."""
+    place = start
+    for _ in range(2):  # a later place found for one block is checked again for the others
+        for h in chain:
+            rows = index.get((loc, h), ())
+            before = bisect.bisect_left(rows, place) - 1
+            if before >= 0 and _held_at(ev, loc, h, place, rows[before]):
+                continue
+            later = rows[before + 1] if before + 1 < len(rows) else -1
+            if later < 0:
+                return start
+            place = later + 1
+    if all(_held_at(ev, loc, h, place, index[(loc, h)][bisect.bisect_left(index[(loc, h)], place) - 1])
+           for h in chain):
+        return place
+    return start
+
+
 def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
     """Events between stream places ``a`` and ``b`` include the shared pool's."""
     lo, hi = min(a, b), max(a, b)
@@ -137,6 +172,7 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
         if chain and int(req_loc[i]) in single and not simulated[i]:
             own = _cut(ev, index, int(req_loc[i]), chain, int(after[i]), claimed)
             if own < 0:
+                cuts[i] = _all_held(ev, index, int(req_loc[i]), chain, int(by_time[i]))
                 continue
             claimed.add(own)
             # Only a run published after the look-up time is a step's batch the engine stamped

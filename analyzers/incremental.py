@@ -84,7 +84,8 @@ INSERT_STATE_SQL = f"INSERT INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?)"
 PREVIOUS_STATE_SQL = f"SELECT scenario, config, segments, watermark_ns FROM {PREVIOUS}.{STATE_TABLE}"
 PREVIOUS_VERSION_SQL = f"SELECT value FROM {PREVIOUS}.kvlens_meta WHERE key = 'schema_version'"
 _GLOBAL_TABLES = ("probe_runs",)  # read whole by every scenario (analyzers/costs.py)
-_CODE_FILES = ("models.py", "schema.py", "analysis_db.py", "lake.py", "query.py")  # what analyzers import
+# what analyzers import from the spine (routing.py: the simulator's policies)
+_CODE_FILES = ("models.py", "schema.py", "analysis_db.py", "lake.py", "query.py", "routing.py")
 
 
 @dataclass(frozen=True)

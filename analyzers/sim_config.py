@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +12,7 @@ import polars as pl
 from kvlens.analyzers import costs
 from kvlens.analyzers.step_time import StepModel
 from kvlens.errors import ConfigError
+from kvlens.routing import CACHE_THRESHOLD, PREFIX_BLOCKS, prefix_replica, session_replica
 from kvlens.schema import RoutingPolicy
 
 __all__ = ["DEFAULT_MAX_BATCHED_TOKENS", "Engine", "SimConfig", "SimResult", "check", "recorded_routes",
@@ -38,12 +38,12 @@ class SimConfig:
     load_factor: float | None = None
     seed: int = 0
     max_seqs: int | None = None  # None: the engine's default (DEFAULT_MAX_SEQS)
-    prefix_blocks: int = 4
+    prefix_blocks: int = PREFIX_BLOCKS
     # cache_aware prefers the longest resident prefix only when it covers at least this share
     # of the request's full blocks; below it the request goes to the least loaded replica
     # (the match-rate threshold of SGLang's cache-aware router; without it every request
     # follows a shared first block to the replica that saw it first).
-    cache_threshold: float = 0.5
+    cache_threshold: float = CACHE_THRESHOLD  # kvlens/routing.py, shared with kvlens gateway
     device: costs.DeviceModel = costs.DEFAULT_DEVICE
     engine: Engine = Engine.VLLM
     # The engine's block pool as vLLM counts --num-gpu-blocks-override (the null block included);
@@ -112,10 +112,9 @@ def static_routes(cfg: SimConfig, reqs: pl.DataFrame, heads: list[list[int]]) ->
     sessions, ids = reqs["session_id"].to_list(), reqs["request_id"].to_list()
     for i, (session, rid, full) in enumerate(zip(sessions, ids, heads, strict=True)):
         if policy == RoutingPolicy.SESSION_AFFINITY and session:
-            out[i] = zlib.crc32(str(session).encode()) % n
+            out[i] = session_replica(session, n)
             continue
-        head = full[: cfg.prefix_blocks] or [zlib.crc32(rid.encode())]
-        out[i] = zlib.crc32(np.array(head, dtype=np.uint64).tobytes()) % n
+        out[i] = prefix_replica(full, rid, n, cfg.prefix_blocks)
     return out
 
 

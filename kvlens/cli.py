@@ -387,6 +387,38 @@ def collect_otlp_cmd(model: str | None, model_config: str | None, **flags: Any) 
                f"{r.other_spans:,} other spans; {r.written_rows:,} rows written")
 
 
+@cli.command("gateway")
+@click.option("--config", required=True, type=click.Path(dir_okay=False),
+              help="kvlens.toml: the [[fleet.replicas]] to front (each with its url).")
+@click.option("--listen", default="127.0.0.1:8000", show_default=True,
+              help="HOST:PORT the OpenAI-compatible API is served on (loopback unless told otherwise).")
+@click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+@click.option("--routing", type=click.Choice(["round_robin", "random", "session_affinity", "prefix_hash",
+                                              "cache_aware"]), default="round_robin", show_default=True,
+              help="How a request picks its replica (the simulator's policies).")
+@click.option("--load-factor", type=float, default=None,
+              help="cache_aware's load fallback: above K x the mean in-flight count, the least loaded.")
+@click.option("--otlp-endpoint", default=None,
+              help="OTLP/HTTP collector for the gateway's own spans, e.g. http://127.0.0.1:4318.")
+@click.option("--keep-tokens", is_flag=True, help="Keep the blocks' token ids in request_blocks.token_ids.")
+@click.option("--flush-seconds", "flush_s", type=click.FloatRange(min=0.01), default=1.0, show_default=True,
+              help="Commit recorded requests at least this often (what a kill -9 can lose).")
+@click.option("--flush-requests", type=click.IntRange(min=1), default=1024, show_default=True,
+              help="... and at least every this many requests.")
+@click.option("--scenario", default="live", show_default=True, help="Scenario the requests are written to.")
+@click.option("--duration", "duration_s", type=float, default=None,
+              help="Stop after this many seconds (default: never).")
+def gateway_cmd(**flags: Any) -> None:
+    """Serve an OpenAI-compatible proxy in front of the fleet that records every request's prompt blocks.
+
+    Example: kvlens gateway --config kvlens.toml --listen 127.0.0.1:8000 --lake lake --routing cache_aware
+    """
+    from kvlens.collector.gateway_server import serve_gateway
+
+    got = serve_gateway(until=_stopped_by_signals, announce=_announce, **flags)
+    click.echo(f"{got.requests:,} requests recorded, {got.blocks:,} blocks")
+
+
 @cli.command("report")
 @click.option("--db", required=True, type=click.Path(dir_okay=False),
               help="Analysis DB written by kvlens analyze.")

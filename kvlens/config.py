@@ -9,6 +9,11 @@ model = "llama-3.1-8b"                        # optional
 topic = ""                                    # subscription prefix (optional)
 bind = false                                  # true: the collector binds, the engine connects
 metrics_url = "http://10.0.0.5:8000/metrics"  # optional, for scrapers
+url = "http://10.0.0.5:8000"                  # its OpenAI API, for kvlens gateway (optional)
+block_size = 16                               # for kvlens gateway: the engine's --block-size
+hash_algo = "sha256"                          # ... its --prefix-caching-hash-algo
+hash_seed = "0"                               # ... its PYTHONHASHSEED (omit: vLLM's fixed default)
+loras = { "my-adapter" = "/models/my-adapter" }  # ... its --lora-modules, name = path
 
 [smtp]                                        # for kvlens report --config (the nightly email)
 server = "smtp.example.com:587"
@@ -86,6 +91,11 @@ class ReplicaConfig:
     topic: str = ""
     bind: bool = False
     metrics_url: str | None = None
+    url: str | None = None  # the replica's OpenAI-compatible HTTP API (kvlens gateway forwards to it)
+    block_size: int = 16
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+    loras: tuple[tuple[str, str], ...] = ()  # (adapter name, path) as served with --lora-modules
 
 
 @dataclass(frozen=True)
@@ -108,13 +118,33 @@ class Config:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-_STR_KEYS = ("name", "replay_endpoint", "model", "topic", "metrics_url")
+_STR_KEYS = ("name", "replay_endpoint", "model", "topic", "metrics_url", "url", "hash_algo", "hash_seed")
+_HASH_ALGOS = ("sha256", "sha256_cbor")  # vLLM's --prefix-caching-hash-algo choices (collector/hashing.py)
+
+
+def _gateway_keys(entry: dict[str, Any], where: str) -> dict[str, Any]:
+    """The keys kvlens gateway reads (url, block_size, hash_algo, hash_seed, loras), checked."""
+    out: dict[str, Any] = {"url": None}
+    if entry.get("url") is not None:
+        out["url"] = check_http_url(entry["url"], f"{where}: url").rstrip("/")
+    block = entry.get("block_size", 16)
+    if type(block) is not int or block < 1:
+        raise ConfigError(f"{where}: block_size must be a positive integer (the engine's --block-size)")
+    algo = entry.get("hash_algo", "sha256")
+    if algo not in _HASH_ALGOS:
+        raise ConfigError(f"{where}: hash_algo {algo!r} is not one of {', '.join(_HASH_ALGOS)}")
+    loras = entry.get("loras", {})
+    if not isinstance(loras, dict) or not all(isinstance(v, str) for v in loras.values()):
+        raise ConfigError(f"{where}: loras must be a table of adapter name = \"path\"")
+    out.update(block_size=block, hash_algo=algo, hash_seed=entry.get("hash_seed"),
+               loras=tuple(sorted(loras.items())))
+    return out
 
 
 def _replica(entry: Any, where: str) -> ReplicaConfig:
     if not isinstance(entry, dict):
         raise ConfigError(f"{where}: expected a table with endpoint = \"tcp://HOST:PORT\"")
-    unknown = set(entry) - {"endpoint", "bind", *_STR_KEYS}
+    unknown = set(entry) - {"endpoint", "bind", "block_size", "loras", *_STR_KEYS}
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {sorted(unknown)}: remove or rename them")
     endpoint = entry.get("endpoint")
@@ -128,8 +158,12 @@ def _replica(entry: Any, where: str) -> ReplicaConfig:
     check_zmq_endpoint(endpoint, f"{where}: endpoint", bind=entry.get("bind", False))
     if entry.get("replay_endpoint"):
         check_zmq_endpoint(entry["replay_endpoint"], f"{where}: replay_endpoint")
+    gw = _gateway_keys(entry, where)
     return ReplicaConfig(endpoint=endpoint, bind=entry.get("bind", False), topic=entry.get("topic", ""),
-                         **{k: entry.get(k) for k in ("name", "replay_endpoint", "model", "metrics_url")})
+                         name=entry.get("name"), replay_endpoint=entry.get("replay_endpoint"),
+                         model=entry.get("model"), metrics_url=entry.get("metrics_url"), url=gw["url"],
+                         block_size=gw["block_size"], hash_algo=gw["hash_algo"], hash_seed=gw["hash_seed"],
+                         loras=gw["loras"])
 
 
 _SMTP_STR_KEYS = ("server", "user", "password_env", "from")

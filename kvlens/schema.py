@@ -232,6 +232,7 @@ REQUEST_BLOCKS = Table("request_blocks", "lake", "One row per block a request's 
        "tokens"),
     _c("block_size_tokens", "INTEGER", "the cache's block size; only full blocks can be reused", "tokens"),
     _c("namespace", "VARCHAR", "cache-key namespace the key was computed in"),
+    _c("token_ids", "INTEGER[]", "the block's token ids; NULL unless kvlens gateway ran with --keep-tokens"),
 ), time_column="arrival_ns")
 
 TRANSFERS = Table("transfers", "lake", "One row per KV load or store between tiers, replicas or the pool.", (

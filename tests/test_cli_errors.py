@@ -111,6 +111,8 @@ CASES: list[tuple[str, str, str]] = [
      "--otlp-listen 127.0.0.1:{busy}", "--otlp-listen"),
     ("serve-export-in-use", "serve --config {fleet} --lake {tmp}/l8 --db {tmp}/k.duckdb --otlp-listen off "
      "--export-port {busy}", "--export-port"),
+    ("gateway-missing-config", "gateway --config {tmp}/none.toml --lake {tmp}/l8", "none.toml"),
+    ("gateway-bad-listen", "gateway --config {tmp}/none.toml --listen bogus --lake {tmp}/l8", "HOST:PORT"),
     # readers of the analysis DB
     ("report-db-not-duckdb", "report --db {notdb} --out {tmp}/r.html", "not a DuckDB file"),
     ("report-db-not-analysis", "report --db {duck} --out {tmp}/r.html", "request_ledger"),
