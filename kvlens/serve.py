@@ -8,8 +8,8 @@ the grace period):
 - ``scrape``: every replica's ``metrics_url`` in one process (``collect scrape --config``);
 - ``otlp``: the OTLP/HTTP receiver (``--otlp-listen``), into scenario ``live-spans``, which the
   analysis joins into ``live`` by request id (``analyze_args``);
-- ``gateway``: when the config has a ``[gateway]`` table or a replica with a ``url``, and this
-  kvlens has the command (``--gateway-listen``);
+- ``gateway``: when the config has a ``[gateway]`` table or a replica with a ``url``
+  (``--gateway-listen``);
 - ``export``: the Prometheus export of the analysis DB, and ``dashboard`` with ``--dashboard``;
   both start once the DB exists.
 
@@ -86,12 +86,6 @@ class ChildSpec:
     needs_db: bool = False
 
 
-def _has_command(name: str) -> bool:
-    from kvlens.cli import cli
-
-    return name in cli.commands
-
-
 def _collect_vllm(o: ServeOptions, c: Config) -> list[str] | None:
     if not c.replicas:
         return None
@@ -133,7 +127,7 @@ def _gateway_configured(c: Config) -> bool:
 
 
 def _gateway(o: ServeOptions, c: Config) -> list[str] | None:
-    if not o.gateway_listen or not _gateway_configured(c) or not _has_command("gateway"):
+    if not o.gateway_listen or not _gateway_configured(c):
         return None
     return ["gateway", "--config", o.config, "--lake", o.lake, "--listen", o.gateway_listen,
             "--flush-seconds", f"{o.flush_s:g}"]
