@@ -54,6 +54,7 @@ from kvlens.collector.gateway_tokens import (
     CHAT_PATH,
     COMPLETIONS_PATH,
     HashKey,
+    LocalTokenizer,
     block_rows,
     direct_token_ids,
     full_block_hashes,
@@ -128,6 +129,8 @@ class GatewayProxy:
         self._session: aiohttp.ClientSession | None = None
         self._pending: set[asyncio.Future[None]] = set()  # recordings still being built
         self._tokenizer_next = 0
+        self.local = [LocalTokenizer(r.tokenizer, f"replica {self.names[i]}") if r.tokenizer else None
+                      for i, r in enumerate(self.replicas)]
         self.app = web.Application(client_max_size=options.max_body_bytes)
         self.app.router.add_post(COMPLETIONS_PATH, self._generate)
         self.app.router.add_post(CHAT_PATH, self._generate)
@@ -259,7 +262,13 @@ class GatewayProxy:
         tokens = answer.get("tokens") if isinstance(answer, dict) else None
         if not isinstance(tokens, list):
             self.metrics.errors.labels(self.names[r], "tokenize").inc()
-            return None
+            local = self.local[r]
+            if local is None:
+                return None
+            ids = local.token_ids(call.path, call.body)
+            if ids is not None:
+                self.metrics.tokenize_local.labels(self.names[r]).inc()
+            return ids
         return [int(t) for t in tokens]
 
     async def _forward(self, request: web.Request, call: _Call) -> web.StreamResponse:

@@ -5,8 +5,11 @@ Metrics (``GET /metrics`` on the gateway's own port; every name ends in its unit
 - ``kvlens_gateway_requests_total{replica,code}``: answers relayed, by the replica's status code;
 - ``kvlens_gateway_errors_total{replica,kind}``: ``status`` (the replica answered >= 400, passed
   through), ``unreachable`` (no answer: the gateway answers 502), ``tokenize`` (its /tokenize
-  failed: forwarded, not recorded), ``client_gone`` (the client left mid-answer);
+  failed: forwarded, and recorded only through the replica's local ``tokenizer``), ``client_gone``
+  (the client left mid-answer);
 - ``kvlens_gateway_tokenize_seconds``: the replica's ``POST /tokenize`` round trip;
+- ``kvlens_gateway_tokenize_local_total{replica}``: prompts encoded with the replica's configured
+  ``tokenizer`` because its /tokenize failed;
 - ``kvlens_gateway_rows_written_total{table}``: rows committed to the lake;
 - ``kvlens_gateway_queue_depth_requests``: recorded requests not yet committed;
 - ``kvlens_gateway_in_flight_requests{replica}``, ``kvlens_gateway_routed_total{replica,reason}``,
@@ -45,6 +48,9 @@ class GatewayMetrics:
                               registry=r)
         self.tokenize = Histogram("kvlens_gateway_tokenize_seconds", "POST /tokenize round trip", registry=r,
                                   buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
+        self.tokenize_local = Counter("kvlens_gateway_tokenize_local",
+                                      "Prompts encoded with the replica's local tokenizer.json", ["replica"],
+                                      registry=r)
         self.rows_written = Counter("kvlens_gateway_rows_written", "Rows committed to the lake", ["table"],
                                     registry=r)
         self.queue_depth = Gauge("kvlens_gateway_queue_depth_requests",

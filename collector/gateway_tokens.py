@@ -13,6 +13,13 @@ Token ids come from the replica's own tokenizer, so they are exactly what the en
 - anything else (a batch of prompts, ``n`` > 1 aside, a request without a prompt): no token ids;
   the request is forwarded, not recorded (counted as unrecorded).
 
+Where ``/tokenize`` fails (the replica is not vLLM, or it errs) and the replica's config names a
+``tokenizer`` (the model's Hugging Face ``tokenizer.json``), a completion's string prompt is
+encoded locally with the ``tokenizers`` library, ``add_special_tokens`` as the request says (vLLM's
+``/v1/completions`` encodes with the same fast tokenizer: ``tokenizer(prompt,
+add_special_tokens=...)``, vllm/entrypoints/openai/serving_completion.py through its renderer). A
+chat request is not encoded locally: its chat template is the engine's, so it stays unrecorded.
+
 The answer is ``{"count", "max_model_len", "tokens"}`` (``TokenizeResponse``). The full blocks
 are hashed with collector/hashing.py, the replica's algorithm, seed and block size, the request's
 ``cache_salt`` (first block) and LoRA (a request whose ``model`` names one of the replica's
@@ -26,8 +33,10 @@ from typing import Any
 
 from kvlens.collector.hashing import content_hashes, token_hashes, vllm_block_hashes
 from kvlens.config import ReplicaConfig
+from kvlens.errors import ConfigError
 
-__all__ = ["CHAT_TEMPLATE_KEYS", "HashKey", "block_rows", "direct_token_ids", "tokenize_body"]
+__all__ = ["CHAT_TEMPLATE_KEYS", "HashKey", "LocalTokenizer", "block_rows", "direct_token_ids",
+           "tokenize_body"]
 
 CHAT_PATH = "/v1/chat/completions"
 COMPLETIONS_PATH = "/v1/completions"
@@ -68,6 +77,32 @@ def tokenize_body(path: str, body: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(body.get("model"), str):
         out["model"] = body["model"]
     return out
+
+
+class LocalTokenizer:
+    """A replica's tokenizer.json, for completions when its ``/tokenize`` cannot answer."""
+
+    def __init__(self, path: str, where: str) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as e:  # pragma: no cover - a core dependency
+            raise ConfigError(f"{where}: tokenizer = {path} needs the tokenizers package: "
+                              "pip install tokenizers") from e
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as e:  # the library raises its own Exception for a missing or bad file
+            raise ConfigError(f"{where}: tokenizer {path} is not a readable Hugging Face tokenizer.json "
+                              f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+                              "give the model's tokenizer.json") from e
+        self.path = path
+
+    def token_ids(self, path: str, body: dict[str, Any]) -> list[int] | None:
+        """The completion prompt's ids as the engine encodes it; None for chat or no string prompt."""
+        payload = tokenize_body(path, body) if path == COMPLETIONS_PATH else None
+        if payload is None:
+            return None
+        ids = self._tok.encode(payload["prompt"], add_special_tokens=bool(payload["add_special_tokens"])).ids
+        return [int(t) for t in ids] or None
 
 
 @dataclass(frozen=True)

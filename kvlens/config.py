@@ -96,6 +96,7 @@ class ReplicaConfig:
     hash_algo: str = "sha256"
     hash_seed: str | None = None
     loras: tuple[tuple[str, str], ...] = ()  # (adapter name, path) as served with --lora-modules
+    tokenizer: str | None = None  # a Hugging Face tokenizer.json: the gateway's fallback when /tokenize fails
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,8 @@ class Config:
     raw: dict[str, Any] = field(default_factory=dict)
 
 
-_STR_KEYS = ("name", "replay_endpoint", "model", "topic", "metrics_url", "url", "hash_algo", "hash_seed")
+_STR_KEYS = ("name", "replay_endpoint", "model", "topic", "metrics_url", "url", "hash_algo", "hash_seed",
+             "tokenizer")
 _HASH_ALGOS = ("sha256", "sha256_cbor")  # vLLM's --prefix-caching-hash-algo choices (collector/hashing.py)
 
 
@@ -163,7 +165,7 @@ def _replica(entry: Any, where: str) -> ReplicaConfig:
                          name=entry.get("name"), replay_endpoint=entry.get("replay_endpoint"),
                          model=entry.get("model"), metrics_url=entry.get("metrics_url"), url=gw["url"],
                          block_size=gw["block_size"], hash_algo=gw["hash_algo"], hash_seed=gw["hash_seed"],
-                         loras=gw["loras"])
+                         loras=gw["loras"], tokenizer=entry.get("tokenizer"))
 
 
 _SMTP_STR_KEYS = ("server", "user", "password_env", "from")

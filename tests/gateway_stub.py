@@ -47,6 +47,7 @@ class StubEngine(http.server.ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.bodies: list[tuple[str, dict[str, Any]]] = []
         self.n = 0
+        self.tokenize_down = False  # answer /tokenize with 404 (tests of the local tokenizer fallback)
         # a /tokenize of the prompt "slow" signals ``slow_seen`` and waits for ``release`` (tests)
         self.slow_seen, self.release = threading.Event(), threading.Event()
         self._ctx: zmq.Context[Any] | None = None
@@ -146,6 +147,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if self.path == "/tokenize" and body.get("prompt") == "slow":
             self.server.slow_seen.set()
             self.server.release.wait(30)
+        if self.path == "/tokenize" and self.server.tokenize_down:
+            self._send(404, {"error": "not found"})  # an engine without vLLM's /tokenize
+            return
         if self.path == "/tokenize":
             tokens = stub_tokens(_chat_text(body) if "messages" in body else body["prompt"])
             self._send(200, {"count": len(tokens), "max_model_len": 2048, "tokens": tokens})

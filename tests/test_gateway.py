@@ -252,6 +252,52 @@ def test_rows_are_committed_within_the_flush_window_while_it_runs(tmp_path: Path
         assert _rows(tmp_path, "SELECT count(*) FROM request_blocks") == [(1,)]
 
 
+def _char_tokenizer(path: Path) -> str:
+    """A tokenizer.json that encodes as the stub does (one token per character), for the fallback."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {chr(c): stub_tokens(chr(c))[0] for c in range(32, 127)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=" "))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.save(str(path))
+    return str(path)
+
+
+def test_a_replica_without_tokenize_is_recorded_through_its_local_tokenizer(tmp_path: Path) -> None:
+    prompt = "a prompt the replica cannot tokenize for us"
+    with StubEngine(name="e0") as stub:
+        stub.tokenize_down = True
+        replica = ReplicaConfig(endpoint=stub.endpoint, name="r0", model="tiny", url=stub.url, block_size=4,
+                                hash_algo="sha256_cbor", hash_seed="0",
+                                tokenizer=_char_tokenizer(tmp_path / "tokenizer.json"))
+        gw = Gateway(GatewayOptions(replicas=(replica,), lake=str(tmp_path / "lake"))).start()
+        try:
+            status, _ = _post(_url(gw, "/v1/completions"),
+                              {"model": "tiny", "prompt": prompt, "max_tokens": 1})
+            assert status == 200
+            # a chat's template is the engine's: not encoded locally, so not recorded
+            status, _ = _post(_url(gw, "/v1/chat/completions"),
+                              {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 200
+            _, metrics = _get(_url(gw, "/metrics"))
+        finally:
+            gw.stop()
+    assert _sent(stub, "/tokenize")  # it was asked first, and failed
+    assert 'kvlens_gateway_tokenize_local_total{replica="r0"} 1.0' in metrics.decode()
+    blocks = _rows(tmp_path, "SELECT block_hash FROM request_blocks ORDER BY request_id, position")
+    assert [b[0] for b in blocks] == _hashes(stub_tokens(prompt))  # the engine's keys, from tokenizer.json
+    assert _rows(tmp_path, "SELECT count(*) FROM requests") == [(1,)]
+
+
+def test_a_tokenizer_that_is_not_a_tokenizer_json_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "tokenizer.json"
+    bad.write_text("{}")
+    replica = ReplicaConfig(endpoint="tcp://127.0.0.1:5557", name="r0", url="http://127.0.0.1:8000",
+                            tokenizer=str(bad))
+    with pytest.raises(ConfigError, match=r"not a readable Hugging Face tokenizer\.json"):
+        Gateway(GatewayOptions(replicas=(replica,), lake=str(tmp_path / "lake")))
+
+
 def test_a_fleet_without_urls_is_refused(tmp_path: Path) -> None:
     bare = ReplicaConfig(endpoint="tcp://127.0.0.1:5557", name="r0")
     with pytest.raises(ConfigError, match="have no url"):
