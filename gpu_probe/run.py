@@ -39,8 +39,8 @@ def probe_machine(model: ModelGeometry | None = None, prefix_tokens: str | None 
     """Measure ``model``'s (default: the project default) transfer paths and prefill here; a tiny CPU
     run, said through ``announce``, without CUDA. ``prefix_tokens``: comma-separated lengths."""
     geometry = model or resolve_model(None)
+    tokens = parse_prefix_tokens(prefix_tokens)  # the flags first: a wrong one is said with or without torch
     import_torch()
-    tokens = parse_prefix_tokens(prefix_tokens)
     cuda = cuda_available()
     if not cuda:
         announce(CPU_NOTICE)
