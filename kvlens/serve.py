@@ -39,6 +39,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvlens.config import Config, load_config
+from kvlens.errors import ConfigError
 from kvlens.supervise import StopScope, Supervisor, stop_scope
 
 __all__ = [
@@ -272,13 +273,22 @@ class Serving:
         self._next_analysis = max(now, self._analysis_started + self.opt.analyze_every_s)
 
 
-def check_ports(o: ServeOptions, otlp: tuple[str, int] | None) -> None:
+def check_ports(o: ServeOptions, otlp: tuple[str, int] | None, config: Config | None = None) -> None:
     """A ConfigError now for a port serve's children could not bind, instead of a restart loop;
-    ``otlp``: ``--otlp-listen`` as (host, port)."""
+    ``otlp``: ``--otlp-listen`` as (host, port); ``config``: the fleet, whose gateway (when it has one)
+    binds ``--gateway-listen``."""
+    from kvlens.collector.otlp_server import parse_listen
     from kvlens.supervise import check_port_free
 
     if otlp is not None:
         check_port_free(*otlp, "--otlp-listen")
+    if o.gateway_listen and config is not None and _gateway_configured(config):
+        try:
+            gateway = parse_listen(o.gateway_listen)
+        except ConfigError:
+            raise ConfigError(f"--gateway-listen {o.gateway_listen!r} is not HOST:PORT: give e.g. "
+                              "127.0.0.1:8000, or off") from None
+        check_port_free(*gateway, "--gateway-listen")
     if o.export_port is not None:
         check_port_free(o.host, o.export_port, "--export-port")
     if o.dashboard:
@@ -299,7 +309,7 @@ def run_serve(options: ServeOptions, *, otlp_address: tuple[str, int] | None, un
               announce: Callable[[str], object] = lambda _line: None) -> dict[str, int]:
     """``kvlens serve``'s front door: check the ports, serve /metrics, supervise until ``until``'s stop;
     the children's exit statuses at the stop. ``otlp_address``: ``options.otlp_listen`` parsed."""
-    check_ports(options, otlp_address)
+    check_ports(options, otlp_address, load_config(options.config))
     serving = Serving(options)
     o = options
     server = serve_metrics(serving, o.host, o.metrics_port) if o.metrics_port is not None else None

@@ -416,3 +416,32 @@ def test_the_readmes_systemd_unit_and_deployment_run_flags_serve_accepts() -> No
     for args in (shlex.split(unit.group(1)), json.loads(deployment.group(1)), json.loads(docker.group(1))):
         result = CliRunner().invoke(cli, [*args, "--help"])  # eager --help: every option before it exists
         assert result.exit_code == 0 and args[0] == "serve", (args, result.output)
+
+
+def test_a_busy_gateway_port_is_refused_before_any_child_starts(tmp_path: Path) -> None:
+    """The gateway binds --gateway-listen in its child: a port in use would only show as a restart loop."""
+    from kvlens.errors import ConfigError
+    from kvlens.serve import ServeOptions, run_serve
+
+    config = tmp_path / "kvlens.toml"
+    config.write_text('[[fleet.replicas]]\nname = "a"\nendpoint = "tcp://127.0.0.1:5557"\n'
+                      'url = "http://127.0.0.1:8001"\n')
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        opts = ServeOptions(config=str(config), lake=str(tmp_path / "lake"), db=str(tmp_path / "db.duckdb"),
+                            otlp_listen=None, export_port=None, gateway_listen=f"127.0.0.1:{port}")
+        with pytest.raises(ConfigError, match="--gateway-listen"):
+            run_serve(opts, otlp_address=None)
+        bad = ServeOptions(config=str(config), lake="lake", db="db", otlp_listen=None, export_port=None,
+                           gateway_listen="nowhere")
+        with pytest.raises(ConfigError, match="--gateway-listen 'nowhere' is not HOST:PORT"):
+            run_serve(bad, otlp_address=None)
+    # without a gateway in the config, the flag's default port is not this fleet's concern
+    config.write_text('[[fleet.replicas]]\nname = "a"\nendpoint = "tcp://127.0.0.1:5557"\n')
+    from kvlens.config import load_config
+    from kvlens.serve import check_ports
+
+    check_ports(ServeOptions(config=str(config), lake="l", db="d", otlp_listen=None, export_port=None,
+                             gateway_listen="nowhere"), None, load_config(str(config)))
