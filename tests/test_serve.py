@@ -24,17 +24,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-import duckdb
 import pytest
 import zmq
 from capture_lines import gateway_lines
 from engine_frames import FakeEngine
 from prometheus_client.parser import text_string_to_metric_families
+from serve_checks import alive, descendants, port_free, tables
 
 from kvlens.analyzers.analyze import analyze_lake
 from kvlens.collector.imports import import_files
 from kvlens.query import query
-from kvlens.schema import ANALYSIS_TABLES
 
 CAPTURE = Path(__file__).parent / "data" / "vllm-cpu-capture"
 _SEQS = "SELECT count(DISTINCT seq) FROM kv_events"
@@ -104,57 +103,10 @@ class _Metrics:
         self.thread.join()
 
 
-def _descendants(pid: int) -> set[int]:
-    out: set[int] = set()
-    todo = [pid]
-    while todo:
-        p = todo.pop()
-        for task in Path(f"/proc/{p}/task").glob("*"):
-            try:
-                kids = {int(k) for k in (task / "children").read_text().split()}
-            except OSError:
-                continue
-            todo += sorted(kids - out)
-            out |= kids
-    return out
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie nobody reaps, under a container's init, has ended: it holds nothing)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
-
-
-def _tables(db: Path) -> dict[str, list[tuple[Any, ...]]]:
-    """Every analysis table's rows, sorted (``scenarios.analyzed_ns``, the wall clock, left out)."""
-    con = duckdb.connect(str(db), read_only=True)
-    try:
-        out = {}
-        for t in ANALYSIS_TABLES:
-            cols = ", ".join(c for c in t.names if c != "analyzed_ns")
-            out[t.name] = sorted(con.execute(f"SELECT {cols} FROM {t.name}").fetchall(), key=repr)
-        return out
-    finally:
-        con.close()
-
-
 def _same_as_full_analysis(lake: Path, db: Path, tmp: Path, join: tuple[str, ...] = ()) -> None:
     full = tmp / f"full-{time.monotonic_ns()}.duckdb"
     analyze_lake(lake, full, join=join)
-    assert _tables(db) == _tables(full)
+    assert tables(db) == tables(full)
 
 
 class _Serve:
@@ -253,7 +205,7 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
         assert any(name.startswith("kvlens_") for name, _ in exported)  # the export serves the new DB
         _wait(lambda: _answers(f"http://127.0.0.1:{dashboard}/_stcore/health"), "the dashboard serves",
               serve.proc)
-        kids = _descendants(serve.proc.pid)
+        kids = descendants(serve.proc.pid)
         # collect vllm, scrape, otlp, export, kvlens dashboard and its Streamlit (maybe an analysis)
         assert len(kids) >= 6
         serve.proc.send_signal(signal.SIGTERM)
@@ -262,9 +214,9 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
         serve.close()
         engine.close()
         metrics.close()
-    assert not [p for p in kids if _alive(p)]
+    assert not [p for p in kids if alive(p)]
     for port in (otlp, export, dashboard, serve.metrics_port):
-        assert _port_free(port), f"port {port} still bound after SIGTERM"
+        assert port_free(port), f"port {port} still bound after SIGTERM"
     # the collectors flushed on their way out: nothing they took is missing
     assert _count(lake, _SEQS) == len(frames)
 
@@ -294,12 +246,12 @@ def test_kill_9_mid_analysis_keeps_the_previous_db_and_the_next_start_completes_
     serve = _Serve(tmp_path, config, lake, db, "--otlp-listen", "off", "--no-export")
     try:
         serve.wait_analyses(1)
-        before = _tables(db)
+        before = tables(db)
         # the next period's analysis is running: kill serve with it
         analyze: list[int] = []
 
         def analysing() -> bool:
-            analyze[:] = [p for p in _descendants(serve.proc.pid) if b"analyze" in _cmdline(p)]
+            analyze[:] = [p for p in descendants(serve.proc.pid) if b"analyze" in _cmdline(p)]
             return bool(analyze)
 
         _wait(analysing, "the next analysis started", serve.proc)
@@ -307,8 +259,8 @@ def test_kill_9_mid_analysis_keeps_the_previous_db_and_the_next_start_completes_
         serve.proc.wait()
     finally:
         serve.close()
-    _wait(lambda: not [p for p in analyze if _alive(p)], "the killed serve's analysis died with it")
-    assert _tables(db) == before  # the previous DB, whole and readable
+    _wait(lambda: not [p for p in analyze if alive(p)], "the killed serve's analysis died with it")
+    assert tables(db) == before  # the previous DB, whole and readable
     _same_as_full_analysis(lake, db, tmp_path)
     mtime = db.stat().st_mtime_ns
     serve = _Serve(tmp_path, config, lake, db, "--otlp-listen", "off", "--no-export")
