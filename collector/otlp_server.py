@@ -41,7 +41,6 @@ loses nothing accepted.
 from __future__ import annotations
 
 import logging
-import re
 import socket
 import threading
 import time
@@ -66,6 +65,7 @@ from kvlens.collector.otlp_http import (
 )
 from kvlens.collector.otlp_writer import RowWriter
 from kvlens.errors import ConfigError
+from kvlens.supervise import parse_listen
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES", "OtlpReceiver", "ReceiverMetrics", "ReceiverOptions", "inflate_bounded",
@@ -93,15 +93,6 @@ class ReceiverOptions:
     memory_budget_bytes: int | None = None  # bodies in memory, all requests: default 4 x max_body_bytes
     listen_backlog: int = 1024
     max_buffered_rows: int = 1_000_000  # while the lake refuses writes; past it the queue fills (503)
-
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port)."""
-    m = re.fullmatch(r"\[(?P<v6>[^\]]+)\]:(?P<p>\d+)|(?P<h>[^:\[\]]+):(?P<port>\d+)", text.strip())
-    port = int(m.group("p") or m.group("port")) if m else -1
-    if not m or not 0 <= port <= 65535:
-        raise ConfigError(f"--listen {text!r} is not HOST:PORT: give e.g. 127.0.0.1:4318 or [::1]:4318")
-    return m.group("v6") or m.group("h"), port
 
 
 class ReceiverMetrics:

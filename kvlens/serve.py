@@ -277,8 +277,7 @@ def check_ports(o: ServeOptions, otlp: tuple[str, int] | None, config: Config | 
     """A ConfigError now for a port serve's children could not bind, instead of a restart loop;
     ``otlp``: ``--otlp-listen`` as (host, port); ``config``: the fleet, whose gateway (when it has one)
     binds ``--gateway-listen``."""
-    from kvlens.collector.otlp_server import parse_listen
-    from kvlens.supervise import check_port_free
+    from kvlens.supervise import check_port_free, parse_listen
 
     if otlp is not None:
         check_port_free(*otlp, "--otlp-listen")

@@ -23,6 +23,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -34,8 +35,8 @@ from types import FrameType
 
 from kvlens.errors import ConfigError
 
-__all__ = ["FORWARDED", "StopScope", "Supervisor", "check_port_free", "exit_status", "run_child",
-           "stop_scope"]
+__all__ = ["FORWARDED", "StopScope", "Supervisor", "check_port_free", "exit_status", "parse_listen",
+           "run_child", "stop_scope"]
 
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -184,6 +185,15 @@ def _wait(proc: subprocess.Popen[bytes], asked: list[int], grace_s: float) -> in
         if deadline is not None and time.monotonic() >= deadline:
             _signal_group(proc, signal.SIGKILL)
             return proc.wait()
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port)."""
+    m = re.fullmatch(r"\[(?P<v6>[^\]]+)\]:(?P<p>\d+)|(?P<h>[^:\[\]]+):(?P<port>\d+)", text.strip())
+    port = int(m.group("p") or m.group("port")) if m else -1
+    if not m or not 0 <= port <= 65535:
+        raise ConfigError(f"--listen {text!r} is not HOST:PORT: give e.g. 127.0.0.1:4318 or [::1]:4318")
+    return m.group("v6") or m.group("h"), port
 
 
 def check_port_free(host: str, port: int, flag: str) -> None:
