@@ -11,16 +11,17 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvlens.config import check_http_url, check_zmq_endpoint
+from kvlens.errors import ConfigError
 from kvlens.supervise import StopScope, check_port_free, stop_scope
 
 if TYPE_CHECKING:
     from kvlens.collector.scrape import ScrapeStats
 
 __all__ = ["OtlpCollectResult", "ReplicaEvents", "collect_otlp", "collect_scrape", "collect_scrape_fleet",
-           "collect_vllm"]
+           "collect_scrapes", "collect_vllm"]
 
 Announce = Callable[[str], object]
 
@@ -117,6 +118,19 @@ def collect_scrape_fleet(lake: str | Path, *, config: str, interval_s: float = 1
     with stop_scope(until, fleet.stop):
         stats = fleet.run(duration_s=duration_s)
     return [(name, st) for (name, _), st in zip(targets, stats, strict=True)]
+
+
+def collect_scrapes(lake: str | Path, *, url: str | None = None, replica: str | None = None,
+                    config: str | None = None, **knobs: Any) -> list[tuple[str, ScrapeStats]]:
+    """``kvlens collect scrape``'s front door: one engine (``url`` with ``replica``: ``collect_scrape``)
+    or every replica of ``config`` (``collect_scrape_fleet``), never both; (replica, ScrapeStats) each.
+    ``knobs``: their other keywords, ``until`` and ``announce`` among them."""
+    if (url is None) == (config is None) or (url is None) != (replica is None):
+        raise ConfigError("give --url with --replica (one engine), or --config kvlens.toml (every replica's "
+                          "metrics_url)")
+    if config is not None:
+        return collect_scrape_fleet(lake, config=config, **knobs)
+    return [(str(replica), collect_scrape(lake, url=str(url), replica=str(replica), **knobs))]
 
 
 def collect_otlp(lake: str | Path, *, listen: str = "127.0.0.1:4318",

@@ -2,25 +2,32 @@
 
 Every format module (mooncake.py, bailian.py, gateway.py, lmcache.py) reads its lines with these
 and nothing else of the import driver (importer.py), which in turn only dispatches to them: the
-imports point one way.
+imports point one way. ``checked_lines``, the gzip-aware line reader, is here too, so that the
+importer and the OTLP JSON files (otlp.py) read lines the same way without importing each other.
 """
 
 from __future__ import annotations
 
+import gzip
 import math
 import re
-from collections.abc import Callable, Sequence
+import zlib
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 from kvlens.collector.hashing import U64_MASK, fold_u64
+from kvlens.errors import InputError
 from kvlens.limits import INT32_MAX, INT64_MAX
 
 __all__ = [
-    "FieldError", "Parsed", "Parser", "ParserFactory", "hash_id_request", "need_hashes", "need_int",
-    "need_number", "opt_str", "rfc3339_ns", "seconds_ns", "tail_tokens",
+    "MAX_LINE_BYTES", "FieldError", "Parsed", "Parser", "ParserFactory", "checked_lines", "hash_id_request",
+    "need_hashes", "need_int", "need_number", "opt_str", "rfc3339_ns", "seconds_ns", "tail_tokens",
 ]
+
+MAX_LINE_BYTES = 64 << 20  # one request per line: a longer line is not one
 
 _HEX = re.compile(r"(?:0[xX])?[0-9a-fA-F]+")
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -164,3 +171,33 @@ class Parser(Protocol):
 
 
 ParserFactory = Callable[..., Parser]  # (*, model, t0_ns) -> Parser
+
+
+def _lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
+    """(line number, stripped line, bytes consumed so far in the file on disk).
+
+    A line longer than MAX_LINE_BYTES is read no further than the limit (the rest is skipped
+    up to its newline) and yielded cut, so that the line's decoder refuses it: memory stays bounded.
+    """
+    with open(path, "rb") as raw, (gzip.open(raw, "rb") if path.suffix == ".gz" else raw) as f:
+        lineno = 0
+        while line := f.readline(MAX_LINE_BYTES + 1):
+            lineno += 1
+            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
+                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
+                    pass
+                yield lineno, line, raw.tell()  # not stripped: still past the limit for the decoder
+                continue
+            yield lineno, line.strip(), raw.tell()
+
+
+def checked_lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
+    """``path``'s lines (plain, or gzip for ``.gz``) as (line number, stripped line, bytes read on
+    disk); damaged gzip data is an InputError naming the file and the last whole line."""
+    lineno = 0
+    try:
+        for lineno, line, pos in _lines(path):
+            yield lineno, line, pos
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise InputError(f"damaged gzip data after line {lineno} ({e}): re-copy the file",
+                         path=str(path)) from None

@@ -2,10 +2,10 @@
 
 Each format module parses one decoded line into a request row and its blocks with the field kit
 (collector/fields.py, which they import instead of this module: no import circle); this driver
-reads the files (plain or gzip), names the file, line and field of a bad line, skips and
-counts bad lines when asked, and writes both tables with ``replace=True`` so a rerun of the
-same scenario replaces it whole. An import that stops half-way (an error, a kill) commits
-nothing: the scenario's previous rows stay as they were.
+reads the files (plain or gzip, with the kit's ``checked_lines``), names the file, line and field
+of a bad line, skips and counts bad lines when asked, and writes both tables with
+``replace=True`` so a rerun of the same scenario replaces it whole. An import that stops
+half-way (an error, a kill) commits nothing: the scenario's previous rows stay as they were.
 
 A line is bad (named, or counted and skipped with ``--skip-bad-lines``) when it is not JSON,
 nests deeper than the decoder's recursion limit, is longer than ``MAX_LINE_BYTES``, or holds a
@@ -16,24 +16,30 @@ buffered, so one such line never fails the writer.
 
 from __future__ import annotations
 
-import gzip
 import logging
 import os
-import zlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
-from kvlens.collector.fields import FieldError, Parsed, Parser, ParserFactory, rfc3339_ns
+from kvlens.collector.fields import (
+    MAX_LINE_BYTES,
+    FieldError,
+    Parsed,
+    Parser,
+    ParserFactory,
+    checked_lines,
+    rfc3339_ns,
+)
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import SegmentWriter, commit_together
 from kvlens.limits import fits, ints_fit, row_problem
 from kvlens.schema import REQUEST_BLOCKS, REQUESTS
 
-# FieldError and rfc3339_ns come from the field kit (collector/fields.py), offered here as before.
+# MAX_LINE_BYTES, FieldError and rfc3339_ns come from the field kit (collector/fields.py), kept here too.
 __all__ = [
     "DEFAULT_T0_NS", "FORMATS", "MAX_LINE_BYTES", "FieldError", "LineImportResult", "Parsed", "decode_line",
     "import_files", "rfc3339_ns",
@@ -45,7 +51,6 @@ log = logging.getLogger(__name__)
 # 2025-01-01T00:00:00Z, fixed so that re-imports and reports are reproducible.
 DEFAULT_T0_NS = 1_735_689_600 * 1_000_000_000
 _BATCH_REQUESTS = 20_000
-MAX_LINE_BYTES = 64 << 20  # one request per line: a longer line is not one
 _BLOCK_COLUMNS = ("position", "block_hash", "content_hash", "token_hash", "block_tokens",
                   "block_size_tokens")
 
@@ -70,34 +75,6 @@ class LineImportResult:
     bad_lines: int = 0
     repeats: int = 0
     first_bad: list[str] = field(default_factory=list)
-
-
-def _lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
-    """(line number, stripped line, bytes consumed so far in the file on disk).
-
-    A line longer than MAX_LINE_BYTES is read no further than the limit (the rest is skipped
-    up to its newline) and yielded cut, so that decode_line refuses it: memory stays bounded.
-    """
-    with open(path, "rb") as raw, (gzip.open(raw, "rb") if path.suffix == ".gz" else raw) as f:
-        lineno = 0
-        while line := f.readline(MAX_LINE_BYTES + 1):
-            lineno += 1
-            if len(line) > MAX_LINE_BYTES and not line.endswith(b"\n"):
-                while (rest := f.readline(1 << 20)) and not rest.endswith(b"\n"):
-                    pass
-                yield lineno, line, raw.tell()  # not stripped: still past the limit for decode_line
-                continue
-            yield lineno, line.strip(), raw.tell()
-
-
-def _checked_lines(path: Path) -> Iterator[tuple[int, bytes, int]]:
-    lineno = 0
-    try:
-        for lineno, line, pos in _lines(path):
-            yield lineno, line, pos
-    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
-        raise InputError(f"damaged gzip data after line {lineno} ({e}): re-copy the file",
-                         path=str(path)) from None
 
 
 class _Columns:
@@ -184,7 +161,7 @@ def _read_file(path: Path, parse: Parser, decoder: msgspec.json.Decoder[Any], co
                on_progress: Callable[[int], None] | None) -> None:
     done = 0
     stem = path.name.split(".")[0]
-    for lineno, line, pos in _checked_lines(path):
+    for lineno, line, pos in checked_lines(path):
         if on_progress and pos != done:
             on_progress(pos - done)
             done = pos

@@ -44,6 +44,19 @@ class ImportResult:
     bad_spans: int = 0  # llm_request spans without a request id
     first_bad: tuple[str, ...] = ()
 
+    def summary(self, lake: str | os.PathLike[str]) -> str:
+        """The line ``kvlens import`` prints: the counts this kind of format has."""
+        where = f"scenario {self.scenario!r} of {lake}"
+        if self.format == "vllm-events":
+            return (f"imported {self.batches:,} batches and {self.kv_rows:,} kv_events rows into {where} "
+                    f"({self.bad_frames:,} bad frames, {self.bad_events:,} bad events, {self.duplicates:,} "
+                    f"duplicates skipped; {self.unannounced_parents:,} stores whose parent was never "
+                    "announced)")
+        if self.format in ("otlp-json", "otlp"):
+            return (f"imported {self.requests:,} requests from llm_request spans into {where} "
+                    f"({self.other_spans:,} other spans, {self.bad_spans:,} without a request id)")
+        return f"imported {self.requests:,} requests and {self.blocks:,} blocks into {where}"
+
 
 def import_files(fmt: str, paths: Sequence[str | os.PathLike[str]], lake: str | os.PathLike[str], *,
                scenario: str = "default", model: str | None = None, skip_bad_lines: bool = False,

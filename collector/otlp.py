@@ -50,6 +50,7 @@ import msgspec
 from google.protobuf.message import DecodeError as _PbDecodeError
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 
+from kvlens.collector.fields import checked_lines
 from kvlens.collector.otlp_genai import (
     CACHE_READ_KEYS,
     COMPLETION_KEYS,
@@ -329,9 +330,7 @@ class OtlpImportResult:
 
 
 def _json_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    from kvlens.collector.importer import _checked_lines  # the importer's gzip-aware, error-naming reader
-
-    for lineno, line, _pos in _checked_lines(path):
+    for lineno, line, _pos in checked_lines(path):
         if line:
             yield lineno, line
 

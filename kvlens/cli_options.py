@@ -1,73 +1,23 @@
-"""The spine's command-line kit: the one-line-error group, option stacks and parse helpers of cli.py.
+"""The spine's option stacks for cli.py: each command's long option list as one decorator, its
+parameter names the keywords of the front door it calls.
 
 Only the spine is imported here (the architecture test lets kvlens/cli.py alone reach the other
-packages, lazily), so what needs a package's registry stays in cli.py.
+packages, lazily), so what needs a package's registry stays in cli.py; the group, the progress
+bars and the parse helpers are in cli_kit.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import sys
-from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import click
 
-from kvlens.errors import ConfigError, KvlensError
-
-__all__ = ["Group", "LazyChoice", "collect_otlp_options", "collect_scrape_options", "collect_vllm_options",
-           "duration_option", "given_model", "hash_key_options", "mail_options", "model_config_option",
-           "model_name", "options", "parse_now", "progress_bar", "sim_options", "stopped_by_signals"]
-
-
-def _one_line(text: str) -> str:
-    return " ".join(part.strip() for part in text.splitlines() if part.strip())
-
-
-def _usage_error(e: click.UsageError) -> click.ClickException:
-    """A usage error as one ``Error:`` line that says where and points at --help (exit 1)."""
-    where = e.ctx.command_path if e.ctx is not None else "kvlens"
-    if isinstance(e, click.exceptions.NoArgsIsHelpError) and isinstance(e.ctx.command, click.Group):
-        names = ", ".join(e.ctx.command.list_commands(e.ctx))
-        return click.ClickException(f"{where} needs a command ({names}): see {where} --help")
-    return click.ClickException(f"{_one_line(e.format_message())} (see {where} --help)")
-
-
-class Group(click.Group):
-    """Turns a KvlensError or a usage error from any command into one ``Error:`` line and exit 1."""
-
-    def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
-                     **extra: Any) -> click.Context:
-        try:
-            return super().make_context(info_name, args, parent=parent, **extra)
-        except click.UsageError as e:
-            raise _usage_error(e) from None
-
-    def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except KvlensError as e:
-            raise click.ClickException(_one_line(str(e))) from e
-        except click.UsageError as e:
-            raise _usage_error(e) from None
-
-
-class LazyChoice(click.Choice):
-    """Choices read from ``load`` when click first needs them (the CLI imports packages lazily)."""
-
-    def __init__(self, load: Callable[[], Sequence[str]]) -> None:
-        self._load = load
-        super().__init__((), case_sensitive=True)
-
-    @property
-    def choices(self) -> tuple[str, ...]:
-        return tuple(self._load())
-
-    @choices.setter
-    def choices(self, _value: object) -> None:
-        pass
+__all__ = ["analyze_options", "collect_otlp_options", "collect_scrape_options", "collect_vllm_options",
+           "compact_options", "dashboard_options", "duration_option", "export_options", "gateway_options",
+           "hash_key_options", "import_options", "mail_options", "model_config_option", "options",
+           "probe_options", "report_options", "serve_options", "sim_options", "simulate_options",
+           "sql_options"]
 
 
 def options(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -77,25 +27,6 @@ def options(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
             f = d(f)
         return f
     return apply
-
-
-def progress_bar(paths: tuple[str, ...], label: str) -> Any:
-    """A progress bar on stderr over the bytes of ``paths``."""
-    total = sum(Path(p).stat().st_size for p in paths if Path(p).is_file())
-    return click.progressbar(length=total, label=label, file=sys.stderr, show_eta=True,
-                             show_percent=True, width=30)
-
-
-@contextlib.contextmanager
-def stopped_by_signals(stop: Callable[[], object]) -> Iterator[None]:
-    """While inside, SIGTERM and SIGINT call ``stop`` (the loop then ends as after its --duration);
-    the previous handlers come back on the way out. Every long-running command runs in one."""
-    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 _MODEL_CONFIG_HELP = ("A Hugging Face config.json: the model's KV geometry (layers, KV heads, head size, "
@@ -108,40 +39,6 @@ def model_config_option(f: Any) -> Any:
                         type=click.Path(dir_okay=False), help=_MODEL_CONFIG_HELP)(f)
 
 
-def given_model(model: str | None, model_config: str | None) -> Any:
-    """The geometry --model or --model-config names (None when neither); both at once is an error."""
-    from kvlens.models import from_hf_config, get_model
-
-    if model and model_config:
-        raise ConfigError(f"--model {model} and --model-config {model_config} both name the model: give one")
-    if model_config:
-        return from_hf_config(model_config)
-    return get_model(model) if model else None
-
-
-def model_name(model: str | None, model_config: str | None) -> str | None:
-    """The model name to record on rows: --model as given (any name), or the name in --model-config's file."""
-    if model_config:
-        return str(given_model(model, model_config).name)
-    return model
-
-
-def parse_now(value: str | None) -> int | None:
-    """--now as nanoseconds since the epoch (a time without a zone is UTC); None stays None."""
-    from datetime import UTC, datetime
-
-    if value is None:
-        return None
-    try:
-        moment = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: give an ISO time such as 2025-01-02T00:00:00Z",
-                                 param_hint="--now") from None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=UTC)
-    return int(moment.timestamp()) * 10**9 + moment.microsecond * 1000
-
-
 def _routing_choices() -> list[str]:
     from kvlens.schema import RoutingPolicy
 
@@ -150,6 +47,11 @@ def _routing_choices() -> list[str]:
 
 duration_option = click.option("--duration", "duration_s", type=float, default=None,
                                help="Stop after this many seconds (default: never).")
+_lake_option = click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory.")
+_lake_read_option = click.option("--lake", required=True, type=click.Path(file_okay=False, exists=True),
+                                 help="Lake directory.")
+_db_option = click.option("--db", required=True, type=click.Path(dir_okay=False),
+                          help="Analysis DB written by kvlens analyze.")
 
 # kvlens simulate's engine and fleet knobs, named as SimConfig's fields (analyzers/sim_config.py).
 sim_options = options(
@@ -181,6 +83,14 @@ sim_options = options(
     click.option("--model", default=None, help="Model geometry (default: the requests' model)."),
     model_config_option,
     click.option("--seed", type=int, default=0, show_default=True),
+)
+
+# kvlens simulate's flags: the scenario replayed and the one written, then the knobs above.
+simulate_options = options(
+    _lake_read_option,
+    click.option("--from", "source", required=True, help="Scenario whose requests are replayed."),
+    click.option("--scenario", required=True, help="Name of the what-if scenario to write (replaced)."),
+    sim_options,
 )
 
 # kvlens report's email flags, named as dashboards/commands.py's MAIL_FLAGS, and the toml under them.
@@ -223,7 +133,7 @@ collect_vllm_options = options(
     click.option("--replica", default=None, help="Replica name (default: from a kv@<pod>@<model> topic)."),
     click.option("--model", default=None, help="Model name recorded as the rows' namespace."),
     model_config_option,
-    click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory."),
+    _lake_option,
     duration_option,
     click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
                  help="Serve the collector's own /metrics here."),
@@ -249,7 +159,7 @@ collect_scrape_options = options(
     click.option("--config", default=None, type=click.Path(dir_okay=False),
                  help="kvlens.toml: scrape every [[fleet.replicas]] metrics_url, one thread each "
                       "(instead of --url)."),
-    click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory."),
+    _lake_option,
     click.option("--interval", "interval_s", type=click.FloatRange(min=0.01), default=15.0,
                  show_default=True, help="Seconds between scrapes."),
     duration_option,
@@ -267,7 +177,7 @@ collect_scrape_options = options(
 collect_otlp_options = options(
     click.option("--listen", default="127.0.0.1:4318", show_default=True,
                  help="HOST:PORT to serve OTLP/HTTP on (loopback unless told otherwise)."),
-    click.option("--lake", required=True, type=click.Path(file_okay=False), help="Lake directory."),
+    _lake_option,
     duration_option,
     click.option("--max-body-bytes", type=click.IntRange(min=1), default=16 * 2**20, show_default=True,
                  help="Largest request body accepted, before and after gunzip (413 above)."),
@@ -279,4 +189,173 @@ collect_otlp_options = options(
                  help="Commit a segment at least this often."),
     click.option("--scenario", default="live", show_default=True,
                  help="Scenario the requests are written to."),
+)
+
+# kvlens import's flags (after FORMAT and FILES), named as collector/imports.py's import_files keywords.
+import_options = options(
+    _lake_option,
+    click.option("--scenario", default="default", show_default=True,
+                 help="Scenario name; an existing scenario of that name is replaced whole."),
+    click.option("--model", default=None, help="Model name recorded on the rows (e.g. llama-3.1-70b)."),
+    model_config_option,
+    click.option("--skip-bad-lines", is_flag=True, help="Count and skip lines that do not parse."),
+    click.option("--t0", default=None, help="Anchor for traces with relative times (ISO time, UTC)."),
+    click.option("--allow-empty", is_flag=True,
+                 help="Replace the scenario even when the files hold no rows (default: refuse, keep it)."),
+)
+
+# kvlens analyze's flags, named as analyzers/analyze.py's analyze_lake keywords.
+analyze_options = options(
+    _lake_read_option,
+    click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB to (re)build."),
+    click.option("--scenario", "scenarios", multiple=True,
+                 help="Scenario to analyze (repeat); default: all."),
+    click.option("--model", default=None, help="Model geometry for bytes (default: the requests' model)."),
+    model_config_option,
+    click.option("--cache-tokens", type=click.IntRange(min=1), default=None,
+                 help="KV cache the requests are served from, in tokens (all replicas together): "
+                      "places the effective capacity on the miss-ratio curve (table capacity)."),
+    click.option("--join", "join", multiple=True, metavar="SCENARIO",
+                 help="Fill each request's missing timings, replica and cached tokens from this scenario's "
+                      "requests with the same id (e.g. spans from otlp-json); repeat for several. Writes "
+                      "request_sources with the matches and the estimated clock offset."),
+    click.option("--metrics-from", default=None, metavar="SCENARIO",
+                 help="Scenario holding the engines' scraped metrics (e.g. live); default: each analyzed "
+                      "scenario itself. Writes reconciliation: engine hit counters beside the ledger."),
+    click.option("--full", is_flag=True,
+                 help="Rebuild every scenario from the lake; by default a scenario whose lake segments "
+                      "are unchanged is copied from the previous DB."),
+)
+
+# kvlens probe's flags, named as gpu_probe/run.py's probe_machine arguments.
+probe_options = options(
+    click.option("--model", default=None,
+                 help="Model geometry to probe (default: the project default model)."),
+    model_config_option,
+    click.option("--prefix-tokens", default=None,
+                 help="Comma-separated prefix lengths [GPU default: 4096,16384,32768,65536]."),
+    click.option("--lake", type=click.Path(file_okay=False), default=None,
+                 help="Append the rows to probe_runs in this lake (scenario probe)."),
+    click.option("--quick", is_flag=True, help="Fewer prefix lengths and runs."),
+)
+
+
+def _live_routing_choices() -> list[str]:
+    # A live request has no recorded replica to stay on: every policy but the what-if baseline.
+    return [p for p in _routing_choices() if p != "recorded"]
+
+
+# kvlens gateway's flags, named as collector/gateway_server.py's serve_gateway keywords.
+gateway_options = options(
+    click.option("--config", required=True, type=click.Path(dir_okay=False),
+                 help="kvlens.toml: the [[fleet.replicas]] to front (each with its url)."),
+    click.option("--listen", default="127.0.0.1:8000", show_default=True,
+                 help="HOST:PORT the OpenAI-compatible API is served on (loopback unless told otherwise)."),
+    _lake_option,
+    click.option("--routing", type=click.Choice(_live_routing_choices()), default="round_robin",
+                 show_default=True, help="How a request picks its replica (the simulator's policies)."),
+    click.option("--load-factor", type=float, default=None,
+                 help="cache_aware's load fallback: above K x the mean in-flight count, the least loaded."),
+    click.option("--otlp-endpoint", default=None,
+                 help="OTLP/HTTP collector for the gateway's own spans, e.g. http://127.0.0.1:4318."),
+    click.option("--keep-tokens", is_flag=True,
+                 help="Keep the blocks' token ids in request_blocks.token_ids."),
+    click.option("--flush-seconds", "flush_s", type=click.FloatRange(min=0.01), default=1.0,
+                 show_default=True,
+                 help="Commit recorded requests at least this often (what a kill -9 can lose)."),
+    click.option("--flush-requests", type=click.IntRange(min=1), default=1024, show_default=True,
+                 help="... and at least every this many requests."),
+    click.option("--scenario", default="live", show_default=True,
+                 help="Scenario the requests are written to."),
+    duration_option,
+)
+
+# kvlens report's flags, named as dashboards/commands.py's run_report keywords (the email ones: mail).
+report_options = options(
+    _db_option,
+    click.option("--out", required=True, type=click.Path(dir_okay=False),
+                 help="Write the self-contained HTML page (inline CSS, images as data: URIs) here."),
+    click.option("--since", default="24h", show_default=True,
+                 help="Window length (30m, 24h, 7d, 1h30m): requests arriving in [now - since, now), "
+                      "compared with the window before it."),
+    click.option("--now", default=None,
+                 help="End of the window (ISO time, UTC), for every scenario. Default: just after each "
+                      "scenario's own latest arrival (replayed traces keep their own epochs)."),
+    click.option("--scenario", "scenarios", multiple=True, help="Scenario to report (repeat); default: all."),
+    mail_options,
+    click.option("--gpu-hour-price", type=click.FloatRange(min=0), default=None, metavar="USD",
+                 help="Price of one GPU-hour, for avoidable recompute in money (else --config's [costs])."),
+    click.option("--production", default=None, metavar="SCENARIO",
+                 help="Scenario the first screen is about (default: the measured one with the most tokens)."),
+)
+
+# kvlens export's flags, named as dashboards/commands.py's run_export keywords.
+export_options = options(
+    _db_option,
+    click.option("--port", required=True, type=click.IntRange(0, 65535),
+                 help="Port for /metrics (0: any free one)."),
+    click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind (0.0.0.0 for all)."),
+    duration_option,
+    click.option("--top-prefixes", type=click.IntRange(0, 100), default=10, show_default=True,
+                 help="Prefixes served in kvlens_prefix_lost_tokens per scenario (bounds its cardinality)."),
+)
+
+# kvlens dashboard's flags, named as dashboards/commands.py's run_dashboard keywords.
+dashboard_options = options(
+    _db_option,
+    click.option("--port", type=click.IntRange(min=0, max=65535), default=8501, show_default=True,
+                 help="Port the dashboard serves on."),
+    click.option("--host", default="127.0.0.1", show_default=True,
+                 help="Address to bind (0.0.0.0 serves every interface)."),
+    click.option("--gpu-hour-price", type=click.FloatRange(min=0), default=None, metavar="USD",
+                 help="Price of one GPU-hour: the overview puts avoidable recompute in money."),
+)
+
+# kvlens serve's flags, named as kvlens/serve.py's serve_fleet keywords (--analyze-every parsed first).
+serve_options = options(
+    click.option("--config", required=True, type=click.Path(dir_okay=False, exists=True),
+                 help="kvlens.toml: the fleet whose replicas are collected and scraped."),
+    _lake_option,
+    click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB kept up to date."),
+    click.option("--analyze-every", default="5m", show_default=True, metavar="DURATION",
+                 help="Run kvlens analyze this often (30s, 5m, 1h)."),
+    click.option("--dashboard", is_flag=True, help="Also serve the Streamlit dashboard (--dashboard-port)."),
+    click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8501, show_default=True),
+    click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+                 help="Serve serve's own /metrics here (restarts by child, analyses run, their duration)."),
+    click.option("--export-port", type=click.IntRange(1, 65535), default=9465, show_default=True,
+                 help="Port of the Prometheus export of the analysis DB (kvlens export)."),
+    click.option("--no-export", is_flag=True, help="Do not run the Prometheus export."),
+    click.option("--host", default="127.0.0.1", show_default=True,
+                 help="Address /metrics, the export and the dashboard bind (0.0.0.0 for all)."),
+    click.option("--otlp-listen", default="127.0.0.1:4318", show_default=True,
+                 help="HOST:PORT of the OTLP/HTTP receiver; 'off' runs none."),
+    click.option("--gateway-listen", default="127.0.0.1:8000", show_default=True,
+                 help="HOST:PORT of kvlens gateway, run when the config routes through it; 'off' runs none."),
+    click.option("--flush-seconds", "flush_s", type=click.FloatRange(min=0.05), default=5.0,
+                 show_default=True, help="The collectors commit a segment at least this often."),
+    click.option("--scrape-interval", "scrape_interval_s", type=click.FloatRange(min=0.05), default=15.0,
+                 show_default=True, help="Seconds between scrapes of each replica's metrics_url."),
+    click.option("--backoff-cap", "backoff_cap_s", type=click.FloatRange(min=0.1), default=60.0,
+                 show_default=True,
+                 help="Longest wait, in seconds, before a crashed child is restarted (the wait doubles "
+                      "from 1 s)."),
+)
+
+# kvlens sql's flags: kvlens/query.py's query keywords, then render's format.
+sql_options = options(
+    click.option("--lake", type=click.Path(file_okay=False), help="Lake directory (views over its tables)."),
+    click.option("--db", type=click.Path(dir_okay=False), help="Analysis DB written by kvlens analyze."),
+    click.option("--format", "fmt", type=click.Choice(["table", "csv", "json"]), default="table",
+                 show_default=True),
+)
+
+# kvlens compact's flags: the lake, and the retention applied before the merge.
+compact_options = options(
+    click.option("--lake", required=True, type=click.Path(file_okay=False)),
+    click.option("--keep", default=None, metavar="Nd",
+                 help="Retention: first drop the raw days older than this (e.g. 30d), whole days, "
+                      "atomically; the analysis DB is not touched."),
+    click.option("--scenario", "scenarios", multiple=True,
+                 help="Scenario --keep applies to (repeat); default: all."),
 )

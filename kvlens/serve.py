@@ -40,11 +40,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvlens.config import Config, load_config
 from kvlens.errors import ConfigError
-from kvlens.supervise import StopScope, Supervisor, stop_scope
+from kvlens.supervise import StopScope, Supervisor, parse_listen, stop_scope
 
 __all__ = [
     "CHILDREN", "SPANS_SCENARIO", "ChildSpec", "ServeMetrics", "ServeOptions", "Serving", "analyze_args",
-    "check_ports", "run_serve", "serve_metrics",
+    "check_ports", "run_serve", "serve_fleet", "serve_metrics",
 ]
 
 log = logging.getLogger(__name__)
@@ -306,8 +306,8 @@ def serve_metrics(serving: Serving, host: str, port: int) -> Any:
 
 def run_serve(options: ServeOptions, *, otlp_address: tuple[str, int] | None, until: StopScope | None = None,
               announce: Callable[[str], object] = lambda _line: None) -> dict[str, int]:
-    """``kvlens serve``'s front door: check the ports, serve /metrics, supervise until ``until``'s stop;
-    the children's exit statuses at the stop. ``otlp_address``: ``options.otlp_listen`` parsed."""
+    """Check the ports, serve /metrics, supervise until ``until``'s stop; the children's exit statuses
+    at the stop. ``otlp_address``: ``options.otlp_listen`` parsed (``serve_fleet`` parses it)."""
     check_ports(options, otlp_address, load_config(options.config))
     serving = Serving(options)
     o = options
@@ -322,3 +322,17 @@ def run_serve(options: ServeOptions, *, otlp_address: tuple[str, int] | None, un
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def serve_fleet(config: str, lake: str, db: str, *, otlp_listen: str = "127.0.0.1:4318",
+                gateway_listen: str = "127.0.0.1:8000", export_port: int = 9465, no_export: bool = False,
+                until: StopScope | None = None, announce: Callable[[str], object] = lambda _line: None,
+                **knobs: Any) -> dict[str, int]:
+    """``kvlens serve``'s front door: its flags as given ('off' runs no OTLP receiver or gateway;
+    ``knobs``: the other ServeOptions fields), run by ``run_serve``; the children's exit statuses."""
+    otlp = None if otlp_listen == "off" else otlp_listen
+    options = ServeOptions(config=config, lake=lake, db=db, otlp_listen=otlp,
+                           gateway_listen=None if gateway_listen == "off" else gateway_listen,
+                           export_port=None if no_export else export_port, **knobs)
+    return run_serve(options, otlp_address=parse_listen(otlp) if otlp else None, until=until,
+                     announce=announce)

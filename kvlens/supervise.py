@@ -42,7 +42,7 @@ FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 # A long-running front door (a collector, the exporter) hands its stop callable to a StopScope and
-# runs its loop inside: the CLI's scope turns SIGTERM/SIGINT into that call (kvlens/cli_options.py),
+# runs its loop inside: the CLI's scope turns SIGTERM/SIGINT into that call (kvlens/cli_kit.py),
 # a library caller may pass none (the loop ends at its duration) or its own.
 StopScope = Callable[[Callable[[], object]], AbstractContextManager[object]]
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+import kvlens.collector.fields as fields
 import kvlens.collector.importer as importer
 from kvlens.collector.importer import DEFAULT_T0_NS, import_files
 from kvlens.errors import InputError
@@ -562,7 +563,9 @@ def test_bailian_infinite_timestamp_is_a_bad_line(write_jsonl: Callable[..., Pat
 
 def test_a_line_past_the_length_limit_is_a_bad_line(write_jsonl: Callable[..., Path], tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(importer, "MAX_LINE_BYTES", 200)  # 64 MiB in earnest: only the limit is smaller
+    # 64 MiB in earnest: only the limit is smaller, for the reader (which cuts the line) and the decoder
+    monkeypatch.setattr(fields, "MAX_LINE_BYTES", 200)
+    monkeypatch.setattr(importer, "MAX_LINE_BYTES", 200)
     good = '{"request_id": "g", "arrival_ns": 1, "prompt_tokens": 16, "block_hashes": [3]}'
     long = '{"request_id": "x", "arrival_ns": 1, "prompt_tokens": 16, "block_hashes": [' + "1, " * 400 + "1]}"
     path = write_jsonl("long.jsonl", [long, good])
