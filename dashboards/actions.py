@@ -15,7 +15,14 @@ from dataclasses import dataclass
 import duckdb
 
 from kvlens.dashboards.formatting import fmt_int, fmt_ms, fmt_points
-from kvlens.dashboards.report_data import Window, has_rows, rows
+from kvlens.dashboards.read import Window, from_lake_view, has_rows, rows
+from kvlens.dashboards.report_queries import (
+    CAPACITY_ACTION_SQL,
+    HYGIENE_ACTION_SQL,
+    PREFIX_ACTION_SQL,
+    SHARED_REQUESTS_SQL,
+    SIMULATIONS_SQL,
+)
 from kvlens.dashboards.worth import Price
 
 __all__ = ["Action", "actions"]
@@ -35,22 +42,6 @@ class Action:
     what_if: str | None = None
 
 
-SHARED_SQL = """
-SELECT w.scenario, count(*), sum(p.prompt_tokens), sum(p.hit_tokens), sum(w.hit_tokens),
-       quantile_cont(p.ttft_ms, 0.99), quantile_cont(w.ttft_ms, 0.99)
-FROM request_ledger p JOIN request_ledger w ON w.request_id = p.request_id AND w.scenario <> p.scenario
-WHERE p.scenario = $scenario AND p.arrival_ns >= $start AND p.arrival_ns < $end
-  AND list_contains($what_ifs, w.scenario) AND coalesce(p.unobserved_tokens, 0) = 0
-GROUP BY w.scenario ORDER BY w.scenario
-"""
-
-# The lake's simulations view: what each what-if changed. Absent when the lake is not reachable.
-SIMULATIONS_SQL = """
-SELECT scenario, CAST(routing AS VARCHAR), load_factor, replicas, capacity_tokens, gpu_blocks, pool_tokens
-FROM analysis.main.simulations WHERE list_contains($names, scenario)
-QUALIFY row_number() OVER (PARTITION BY scenario ORDER BY created_ns DESC) = 1
-"""
-
 _ROUTING_WORDS = {
     "cache_aware": "route by prefix (cache-aware)",
     "prefix_hash": "route by prefix hash",
@@ -61,24 +52,10 @@ _ROUTING_WORDS = {
 }
 
 
-HAS_SIMULATIONS_SQL = """
-SELECT count(*) FROM information_schema.tables
-WHERE table_catalog = 'analysis' AND table_schema = 'main' AND table_name = 'simulations'
-"""
-
-
 def _simulations(con: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, tuple]:
     """Per what-if, what it simulated; empty when the lake's view is absent or unreadable."""
-    ((found,),) = con.execute(HAS_SIMULATIONS_SQL).fetchall()
-    if not found:
-        return {}
-    cur = con.cursor()
-    try:
-        return {r[0]: r[1:] for r in rows(cur, SIMULATIONS_SQL, {"names": names})}
-    except duckdb.Error:
-        return {}
-    finally:
-        cur.close()
+    found = from_lake_view(con, "simulations", lambda cur: rows(cur, SIMULATIONS_SQL, {"names": names}))
+    return {r[0]: r[1:] for r in found or []}
 
 
 def _what_if_title(name: str, mine: tuple | None, theirs: tuple | None) -> str:
@@ -102,8 +79,7 @@ def _what_if_title(name: str, mine: tuple | None, theirs: tuple | None) -> str:
 
 def _what_if_actions(con: duckdb.DuckDBPyConnection, scenario: str, what_ifs: list[str], window: Window,
                      price: Price, per_day: float) -> list[Action]:
-    found = rows(con, SHARED_SQL, {"scenario": scenario, "start": window.start_ns, "end": window.end_ns,
-                                   "what_ifs": what_ifs})
+    found = rows(con, SHARED_REQUESTS_SQL, window.params(scenario=scenario, what_ifs=what_ifs))
     sims = _simulations(con, [scenario, *what_ifs])
     out = []
     for name, n, prompt, hit_p, hit_w, p99_p, p99_w in found:
@@ -123,21 +99,12 @@ def _what_if_actions(con: duckdb.DuckDBPyConnection, scenario: str, what_ifs: li
     return out
 
 
-PREFIX_SQL = """
-SELECT prefix_hash, prefix_tokens, reuses, replicas, benefit_ms, recommendation,
-       CASE WHEN recompute_label = 'measured' AND remote_label = 'measured' THEN 'measured'
-            ELSE 'modelled' END,
-       coalesce(avoidable_miss_tokens, 0) * coalesce(h_remote_ratio, 1)
-FROM prefix_ranking WHERE scenario = $scenario AND benefit_ms > 0
-ORDER BY rank NULLS LAST, benefit_ms DESC, prefix_hash LIMIT 1
-"""
-
-
 def _prefix_action(con: duckdb.DuckDBPyConnection, scenario: str, price: Price) -> list[Action]:
     if not has_rows(con, "prefix_ranking"):
         return []
+    found = rows(con, PREFIX_ACTION_SQL, {"scenario": scenario})
     out = []
-    for h, tokens, reuses, reps, ms, rec, label, saved in rows(con, PREFIX_SQL, {"scenario": scenario}):
+    for h, tokens, reuses, reps, ms, rec, label, saved in found:
         hours = price.gpu_hours_of_ms(ms)
         what = str(rec)[:1].upper() + str(rec)[1:]
         out.append(Action(f"{what}: prefix 0x…{h & 0xFFFF:04x} ({fmt_int(tokens)} tokens)",
@@ -148,18 +115,12 @@ def _prefix_action(con: duckdb.DuckDBPyConnection, scenario: str, price: Price) 
     return out
 
 
-CAPACITY_SQL = """
-SELECT c.hit_ratio_bytes_at_eff, c.hit_ratio_bytes_at_2x_eff, c.c_eff_bytes
-FROM capacity c WHERE c.scenario = $scenario AND c.hit_ratio_bytes_at_eff IS NOT NULL
-"""
-
-
 def _capacity_action(con: duckdb.DuckDBPyConnection, scenario: str, full_tokens: int, price: Price,
                      per_day: float) -> list[Action]:
     if not has_rows(con, "capacity"):
         return []
     out = []
-    for at, at2, _c_eff in rows(con, CAPACITY_SQL, {"scenario": scenario}):
+    for at, at2, _c_eff in rows(con, CAPACITY_ACTION_SQL, {"scenario": scenario}):
         gain = (at2 - at) * full_tokens
         if gain <= 0:
             continue
@@ -174,19 +135,13 @@ def _capacity_action(con: duckdb.DuckDBPyConnection, scenario: str, full_tokens:
     return out
 
 
-HYGIENE_SQL = """
-SELECT count(*), sum(lost_tokens) FROM hygiene
-WHERE scenario = $scenario AND arrival_ns >= $start AND arrival_ns < $end HAVING sum(lost_tokens) > 0
-"""
-
-
 def _hygiene_action(con: duckdb.DuckDBPyConnection, scenario: str, window: Window, price: Price,
                     per_day: float) -> list[Action]:
     if not has_rows(con, "hygiene"):
         return []
+    found = rows(con, HYGIENE_ACTION_SQL, window.params(scenario=scenario))
     out = []
-    for n, lost in rows(con, HYGIENE_SQL, {"scenario": scenario, "start": window.start_ns,
-                                           "end": window.end_ns}):
+    for n, lost in found:
         hours = price.gpu_hours(lost)
         effect = f"{fmt_int(lost)} more tokens reusable across {n:,} requests"
         if hours is not None:
@@ -200,7 +155,7 @@ def _hygiene_action(con: duckdb.DuckDBPyConnection, scenario: str, window: Windo
 def actions(con: duckdb.DuckDBPyConnection, scenario: str, what_ifs: list[str], window: Window,
             price: Price, full_tokens: int, *, limit: int = 3) -> list[Action]:
     """Up to ``limit`` actions for ``scenario`` in ``window``, the largest predicted gain first."""
-    per_day = 86_400e9 / (window.end_ns - window.start_ns)
+    per_day = 86_400e9 / window.length_ns
     found = (_what_if_actions(con, scenario, what_ifs, window, price, per_day)
              + _prefix_action(con, scenario, price)
              + _capacity_action(con, scenario, full_tokens, price, per_day)

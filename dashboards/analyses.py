@@ -1,7 +1,8 @@
 """Dashboards: read-only queries behind the analysis pages (no Streamlit here).
 
-Each function takes a cursor and a ``Window`` (or plain bound values) and returns a Polars
-frame shaped for one chart or table of ``dashboards.charts``; filters are bound parameters.
+Each function takes a cursor, the scenario and, where the time window applies, a ``Window``
+(dashboards/read.py), and returns a Polars frame shaped for one chart or table of
+``dashboards.charts``; filters are bound parameters. What the report shares is in dashboards/queries.py.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
-from kvlens.dashboards.queries import Window, fetch, in_window, table_columns
+from kvlens.dashboards.queries import TAILS_COLS
+from kvlens.dashboards.read import Window, fetch, in_window, rows, table_columns
 
 __all__ = [
     "capacity_marks",
@@ -31,8 +33,6 @@ __all__ = [
     "outcome_requests",
     "prefix_ranking",
     "request_blocks",
-    "scenario_ledgers",
-    "scenario_tails",
     "ttl_coverage",
     "warmup",
     "worst_tail",
@@ -48,17 +48,19 @@ GROUP BY replica ORDER BY tokens DESC, replica
 """
 
 
-def outcome_replicas(cur: duckdb.DuckDBPyConnection, window: Window, outcome: str) -> pl.DataFrame:
+def outcome_replicas(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window,
+                     outcome: str) -> pl.DataFrame:
     """``replica``, ``blocks``, ``tokens``, ``bytes`` of one outcome, most tokens first."""
-    return fetch(cur, OUTCOME_REPLICAS_SQL, window.params(outcome=outcome))
+    return fetch(cur, OUTCOME_REPLICAS_SQL, window.params(scenario=scenario, outcome=outcome))
 
 
 OUTCOME_REQUESTS_SQL = f"""
 SELECT b.request_id, {_TS.format(col="min(b.arrival_ns)")} AS arrival, count(*) AS blocks,
        CAST(sum(b.tokens) AS BIGINT) AS tokens, CAST(sum(b.bytes) AS BIGINT) AS bytes,
        any_value(r.prompt_tokens) AS prompt_tokens, any_value(r.ttft_ms) AS ttft_ms,
-       string_agg(DISTINCT b.holder, ', ') AS holders, string_agg(DISTINCT b.remover, ', ') AS removers,
-       string_agg(DISTINCT b.key_diff, ', ') AS key_diffs
+       string_agg(DISTINCT b.holder, ', ' ORDER BY b.holder) AS holders,
+       string_agg(DISTINCT b.remover, ', ' ORDER BY b.remover) AS removers,
+       string_agg(DISTINCT b.key_diff, ', ' ORDER BY b.key_diff) AS key_diffs
 FROM block_outcomes b
 LEFT JOIN request_ledger r ON r.scenario = b.scenario AND r.request_id = b.request_id
 WHERE b.scenario = $scenario AND CAST(b.outcome AS VARCHAR) = $outcome AND b.replica = $replica
@@ -68,12 +70,14 @@ GROUP BY b.request_id ORDER BY tokens DESC, b.request_id LIMIT $limit
 
 
 def outcome_requests(
-    cur: duckdb.DuckDBPyConnection, window: Window, outcome: str, replica: str, limit: int = 200
+    cur: duckdb.DuckDBPyConnection, scenario: str, window: Window, outcome: str, replica: str,
+    limit: int = 200,
 ) -> pl.DataFrame:
     """The requests behind one outcome on one replica, most tokens first: ``request_id``,
     ``arrival``, ``blocks``, ``tokens``, ``bytes``, ``prompt_tokens``, ``ttft_ms``, ``holders``,
     ``removers``, ``key_diffs``."""
-    return fetch(cur, OUTCOME_REQUESTS_SQL, window.params(outcome=outcome, replica=replica, limit=limit))
+    params = window.params(scenario=scenario, outcome=outcome, replica=replica, limit=limit)
+    return fetch(cur, OUTCOME_REQUESTS_SQL, params)
 
 
 REQUEST_BLOCKS_SQL = f"""
@@ -129,7 +133,7 @@ CAPACITY_SQL = "SELECT * FROM capacity WHERE scenario = $scenario"
 
 def mrc_streams(cur: duckdb.DuckDBPyConnection, scenario: str) -> list[str]:
     """The scenario's curve streams, ``requests`` first."""
-    return [r[0] for r in cur.sql(MRC_STREAMS_SQL, params={"scenario": scenario}).fetchall()]
+    return [r[0] for r in rows(cur, MRC_STREAMS_SQL, {"scenario": scenario})]
 
 
 def mrc_curve(cur: duckdb.DuckDBPyConnection, scenario: str, stream: str) -> pl.DataFrame:
@@ -139,14 +143,14 @@ def mrc_curve(cur: duckdb.DuckDBPyConnection, scenario: str, stream: str) -> pl.
 
 def capacity_marks(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFrame:
     """The ``capacity`` row(s) of the scenario plus ``label`` and a twice-C_eff mark."""
-    rows = fetch(cur, CAPACITY_SQL, {"scenario": scenario})
-    if rows.height == 0:
-        return rows.with_columns(pl.lit("").alias("label"))
+    found = fetch(cur, CAPACITY_SQL, {"scenario": scenario})
+    if found.height == 0:
+        return found.with_columns(pl.lit("").alias("label"))
     terms = ("c_active_decode_bytes", "c_reserved_bytes", "c_fragmentation_bytes")
     nothing = pl.sum_horizontal(*terms) == 0
-    eff = rows.with_columns(pl.when(nothing).then(pl.lit("C_eff = C_physical")).otherwise(pl.lit("C_eff"))
-                            .alias("label"))
-    twice = rows.with_columns(
+    eff = found.with_columns(pl.when(nothing).then(pl.lit("C_eff = C_physical")).otherwise(pl.lit("C_eff"))
+                             .alias("label"))
+    twice = found.with_columns(
         (pl.col("c_eff_bytes") * 2).alias("c_eff_bytes"), pl.lit("2 x C_eff").alias("label")
     )
     return pl.concat([eff, twice])
@@ -179,10 +183,10 @@ ORDER BY window_start_ns, replica, tier
 """
 
 
-def flows(cur: duckdb.DuckDBPyConnection, window: Window) -> pl.DataFrame:
+def flows(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> pl.DataFrame:
     """``window`` (datetime), ``replica``, ``tier``, ``read_bytes``, ``write_bytes``,
     ``replica_bytes``, ``never_read_bytes``; a replica ``*`` roll-up, when present, is kept alone."""
-    frame = fetch(cur, FLOWS_SQL, window.params())
+    frame = fetch(cur, FLOWS_SQL, window.params(scenario=scenario))
     if (frame["replica"] == "*").any():
         frame = frame.filter(pl.col("replica") == "*")
     return frame
@@ -211,12 +215,11 @@ FROM fanout WHERE scenario = $scenario AND {in_window("window_start_ns")} ORDER 
 """
 
 
-def fanout(cur: duckdb.DuckDBPyConnection, window: Window) -> pl.DataFrame:
+def fanout(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> pl.DataFrame:
     """``window`` (datetime) and the ``fanout`` columns per window, in time order."""
-    return fetch(cur, FANOUT_SQL, window.params())
+    return fetch(cur, FANOUT_SQL, window.params(scenario=scenario))
 
 
-TAILS_COLS = "requests, ttft_p50_ms, ttft_p95_ms, ttft_p99_ms, p99_p50_ratio, queue_p50_ms"
 LATENCY_CLASS_SQL = f"""
 SELECT prefix_class, {TAILS_COLS} FROM latency_tails
 WHERE scenario = $scenario AND replica = '*' AND window_start_ns IS NULL ORDER BY prefix_class
@@ -248,9 +251,9 @@ def latency_by_class(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFr
     return fetch(cur, LATENCY_CLASS_SQL, {"scenario": scenario})
 
 
-def latency_trend(cur: duckdb.DuckDBPyConnection, window: Window) -> pl.DataFrame:
+def latency_trend(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> pl.DataFrame:
     """All-replica tails per time ``window`` and ``prefix_class`` inside the window."""
-    return fetch(cur, LATENCY_TREND_SQL, window.params())
+    return fetch(cur, LATENCY_TREND_SQL, window.params(scenario=scenario))
 
 
 def latency_by_replica(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFrame:
@@ -258,42 +261,17 @@ def latency_by_replica(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.Data
     return fetch(cur, LATENCY_REPLICA_SQL, {"scenario": scenario})
 
 
-def worst_tail(cur: duckdb.DuckDBPyConnection, window: Window, min_requests: int = 20) -> dict[str, object]:
+def worst_tail(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window,
+               min_requests: int = 20) -> dict[str, object]:
     """The cell (replica, window) of at least ``min_requests`` with the highest P99/P50 over all
     classes; {} when none."""
-    frame = fetch(cur, WORST_TAIL_SQL, window.params(min_requests=min_requests))
+    frame = fetch(cur, WORST_TAIL_SQL, window.params(scenario=scenario, min_requests=min_requests))
     return frame.row(0, named=True) if frame.height else {}
 
 
-SCENARIO_LEDGERS_WHOLE_SQL = """
-SELECT scenario, CAST(outcome AS VARCHAR) AS outcome, CAST(sum(tokens) AS BIGINT) AS tokens,
-       CAST(sum(bytes) AS BIGINT) AS bytes
-FROM miss_ledger WHERE list_contains($scenarios, scenario) GROUP BY ALL ORDER BY scenario, outcome
-"""
-SCENARIO_LEDGERS_WINDOW_SQL = f"""
-SELECT scenario, CAST(outcome AS VARCHAR) AS outcome, CAST(sum(tokens) AS BIGINT) AS tokens,
-       CAST(sum(bytes) AS BIGINT) AS bytes
-FROM block_outcomes WHERE list_contains($scenarios, scenario) AND {in_window("arrival_ns")}
-GROUP BY ALL ORDER BY scenario, outcome
-"""
-SCENARIO_TAILS_SQL = f"""
-SELECT scenario, {TAILS_COLS} FROM latency_tails
-WHERE list_contains($scenarios, scenario) AND replica = '*' AND window_start_ns IS NULL
-  AND prefix_class = 'all' ORDER BY scenario
-"""
-
-
-def scenario_ledgers(cur: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> pl.DataFrame:
-    """``scenario``, ``outcome``, ``tokens``, ``bytes`` for each named scenario, in the window."""
-    if window.whole:
-        return fetch(cur, SCENARIO_LEDGERS_WHOLE_SQL, {"scenarios": names})
-    params = {"scenarios": names, "start_ns": window.start_ns, "end_ns": window.end_ns}
-    return fetch(cur, SCENARIO_LEDGERS_WINDOW_SQL, params)
-
-
-def scenario_tails(cur: duckdb.DuckDBPyConnection, names: list[str]) -> pl.DataFrame:
-    """Whole-scenario, all-replica, all-class tails for each named scenario."""
-    return fetch(cur, SCENARIO_TAILS_SQL, {"scenarios": names})
+# {order}: column names from information_schema, never from the user.
+CROSSOVER_SQL = "SELECT * EXCLUDE (scenario) FROM crossover WHERE scenario = $scenario ORDER BY {order}"
+CROSSOVER_ALL_SQL = "SELECT * FROM crossover ORDER BY {order}"
 
 
 def crossover(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFrame | None:
@@ -302,15 +280,9 @@ def crossover(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFrame | N
     cols = table_columns(cur, "crossover")
     if not cols:
         return None
-    # Column names in ORDER BY come from information_schema, not from the user.
     order = ", ".join(c for c in ("path", "prefix_tokens") if c in cols) or "1"
-    if "scenario" in cols:
-        return fetch(
-            cur,
-            f"SELECT * EXCLUDE (scenario) FROM crossover WHERE scenario = $scenario ORDER BY {order}",
-            {"scenario": scenario},
-        )
-    return fetch(cur, f"SELECT * FROM crossover ORDER BY {order}")
+    sql = CROSSOVER_SQL if "scenario" in cols else CROSSOVER_ALL_SQL
+    return fetch(cur, sql.format(order=order), {"scenario": scenario})
 
 
 def crossover_series(frame: pl.DataFrame) -> pl.DataFrame | None:
@@ -368,15 +340,16 @@ ORDER BY h.lost_tokens DESC, h.request_id LIMIT $limit
 """
 
 
-def hygiene_by_split(cur: duckdb.DuckDBPyConnection, window: Window) -> pl.DataFrame:
+def hygiene_by_split(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> pl.DataFrame:
     """``split_position``, ``requests``, ``lost_tokens``, ``lost_bytes``."""
-    return fetch(cur, HYGIENE_SPLIT_SQL, window.params())
+    return fetch(cur, HYGIENE_SPLIT_SQL, window.params(scenario=scenario))
 
 
-def hygiene_requests(cur: duckdb.DuckDBPyConnection, window: Window, limit: int = 100) -> pl.DataFrame:
+def hygiene_requests(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window,
+                     limit: int = 100) -> pl.DataFrame:
     """The top offenders by tokens lost: ``request_id``, ``replica``, ``arrival``, then the hygiene
     columns (``split_position``, ``lost_tokens``, ``lost_bytes``, ...)."""
-    frame = fetch(cur, HYGIENE_REQUESTS_SQL, window.params(limit=limit))
+    frame = fetch(cur, HYGIENE_REQUESTS_SQL, window.params(scenario=scenario, limit=limit))
     return frame.drop("arrival_ns", strict=False)  # newer hygiene tables repeat it; ``arrival`` shows it
 
 
@@ -388,10 +361,11 @@ GROUP BY 1, 2 ORDER BY 1 NULLS LAST, 2 LIMIT $limit
 """
 
 
-def hygiene_offenders(cur: duckdb.DuckDBPyConnection, window: Window, limit: int = 20) -> pl.DataFrame | None:
+def hygiene_offenders(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window,
+                      limit: int = 20) -> pl.DataFrame | None:
     """Offender groups (requests sharing the repeated content after the same prefix), worst first:
     ``offender_rank``, ``first_request_id``, ``requests``, ``lost_tokens``, ``lost_bytes``,
     ``split_position``; None when the hygiene table has no offender columns."""
     if not {"offender_rank", "first_request_id"} <= set(table_columns(cur, "hygiene")):
         return None
-    return fetch(cur, HYGIENE_OFFENDERS_SQL, window.params(limit=limit))
+    return fetch(cur, HYGIENE_OFFENDERS_SQL, window.params(scenario=scenario, limit=limit))

@@ -19,25 +19,13 @@ from dataclasses import dataclass
 
 import duckdb
 
-from kvlens.dashboards.report_data import Window, rows
-from kvlens.schema import HIT_OUTCOMES_SQL
+from kvlens.dashboards.queries import headlines
+from kvlens.dashboards.read import Window, rows
+from kvlens.dashboards.report_queries import MISS_SHARES_SQL
 
 __all__ = ["TAIL", "Attribution", "Part", "attribute", "round_to_sum"]
 
 TAIL = "partial tail"
-
-_IN_WINDOW = "scenario = $scenario AND arrival_ns >= $start AND arrival_ns < $end"
-
-SHARES_SQL = f"""
-SELECT CAST(outcome AS VARCHAR), replica, sum(tokens)
-FROM block_outcomes WHERE {_IN_WINDOW} AND outcome NOT IN {HIT_OUTCOMES_SQL}
-GROUP BY ALL ORDER BY 1, 2
-"""
-
-TOTALS_SQL = f"""
-SELECT sum(prompt_tokens), sum(hit_tokens), sum(tail_partial_tokens), sum(coalesce(unobserved_tokens, 0))
-FROM request_ledger WHERE {_IN_WINDOW}
-"""
 
 
 @dataclass(frozen=True)
@@ -77,14 +65,17 @@ class Attribution:
 
 
 def _shares(con: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> tuple[int, float, dict] | None:
-    params = {"scenario": scenario, "start": window.start_ns, "end": window.end_ns}
-    ((prompt, hit, tail, unobserved),) = rows(con, TOTALS_SQL, params)
-    if not prompt or unobserved:  # no tokens, or residency unknown for some: no ratio to explain
+    totals = headlines(con, [scenario], window).get(scenario)
+    # No tokens, or residency unknown for some (stricter than Headline.token_hit_ratio, which needs
+    # only one observed token): the ledger's shares would not add up to the ratio.
+    if totals is None or not totals.prompt_tokens or totals.unobserved_tokens:
         return None
+    prompt = totals.prompt_tokens
     shares: dict[tuple[str, str | None], float] = {
-        (cause, replica): int(tokens) / prompt for cause, replica, tokens in rows(con, SHARES_SQL, params)}
-    shares[(TAIL, None)] = int(tail or 0) / prompt
-    return int(prompt), int(hit or 0) / prompt, shares
+        (cause, replica): int(tokens) / prompt
+        for cause, replica, tokens in rows(con, MISS_SHARES_SQL, window.params(scenario=scenario))}
+    shares[(TAIL, None)] = totals.tail_partial_tokens / prompt
+    return prompt, totals.hit_tokens / prompt, shares
 
 
 def attribute(con: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> Attribution | None:

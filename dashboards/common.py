@@ -1,39 +1,43 @@
 """Dashboards: what every Streamlit page shares: the read-only connection and the sidebar filters.
 
 One DuckDB connection per database file for the whole server (``st.cache_resource``, the file
-attached read-only), one cursor per rerun; the sidebar's scenario and time-window selectors become a
-``Window`` that every query binds as parameters.
+attached read-only), one cursor per rerun; the sidebar's scenario and time-window selectors become
+the scenario and the half-open ``Window`` (dashboards/read.py) that every query binds as parameters.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import altair as alt
 import duckdb
+import polars as pl
 import streamlit as st
 
 from kvlens.dashboards.formatting import fmt_bytes as _fmt_bytes
 from kvlens.dashboards.provenance import Origin, bytes_sentence, origins
-from kvlens.dashboards.queries import Window, scenario_span_ns, scenarios, table_rows
+from kvlens.dashboards.queries import scenario_span_ns, scenarios
+from kvlens.dashboards.read import Window, has_rows
 from kvlens.query import connect
 
 __all__ = [
     "Context",
     "connection",
     "cursor",
+    "empty",
     "fmt_bytes",
     "fmt_ratio",
-    "has_rows",
     "label",
     "no_rows",
     "origin",
     "provenance_note",
     "show_chart",
     "sidebar",
+    "windowed",
 ]
 
 _MINUTE_NS = 60 * 10**9
@@ -44,13 +48,10 @@ class Context:
     """What a page renders from: this rerun's cursor, the filters, the scenario list."""
 
     cur: duckdb.DuckDBPyConnection
+    scenario: str
     window: Window
     scenarios: tuple[str, ...]
     db: str
-
-    @property
-    def scenario(self) -> str:
-        return self.window.scenario
 
 
 @st.cache_resource(show_spinner=False, max_entries=4)
@@ -91,7 +92,7 @@ def _window_slider(cur: duckdb.DuckDBPyConnection, scenario: str) -> Window:
     span = scenario_span_ns(cur, scenario)
     if span is None:
         st.sidebar.caption("no requests in this scenario: no time window")
-        return Window(scenario)
+        return Window()
     lo_ns = span[0] // _MINUTE_NS * _MINUTE_NS
     hi_ns = (span[1] // _MINUTE_NS + 1) * _MINUTE_NS
     lo, hi = _ns_to_dt(lo_ns), _ns_to_dt(hi_ns)
@@ -105,8 +106,8 @@ def _window_slider(cur: duckdb.DuckDBPyConnection, scenario: str) -> Window:
         key=f"window:{scenario}",
     )
     if (start, end) == (lo, hi):
-        return Window(scenario)
-    return Window(scenario, _dt_to_ns(start), _dt_to_ns(end) - 1)
+        return Window()
+    return Window(_dt_to_ns(start), _dt_to_ns(end))
 
 
 def sidebar(cur: duckdb.DuckDBPyConnection, db: str) -> Context:
@@ -115,10 +116,9 @@ def sidebar(cur: duckdb.DuckDBPyConnection, db: str) -> Context:
     st.sidebar.caption(f"analysis DB: `{db}`")
     if not names:
         st.sidebar.warning("no analyzed scenarios")
-        return Context(cur, Window(""), names, db)
+        return Context(cur, "", Window(), names, db)
     scenario = st.sidebar.selectbox("Scenario", names, key="scenario")
-    window = _window_slider(cur, scenario)
-    return Context(cur, window, names, db)
+    return Context(cur, scenario, _window_slider(cur, scenario), names, db)
 
 
 def origin(ctx: Context, scenario: str | None = None) -> Origin:
@@ -142,10 +142,25 @@ def provenance_note(ctx: Context) -> None:
                    icon=":material/warning:")
 
 
-def has_rows(ctx: Context, table: str, *, per_scenario: bool = True) -> bool:
-    """Whether ``table`` has rows (for the selected scenario when ``per_scenario``)."""
-    n = table_rows(ctx.cur, table, ctx.scenario if per_scenario else None)
-    return bool(n)
+def empty(ctx: Context, table: str, how: str | None = None) -> bool:
+    """Whether ``table`` has no rows for the selected scenario; the page then says so (``no_rows``)."""
+    if has_rows(ctx.cur, table, ctx.scenario):
+        return False
+    no_rows(ctx, table, how)
+    return True
+
+
+def windowed(ctx: Context, table: str, read: Callable[[duckdb.DuckDBPyConnection, str, Window], pl.DataFrame],
+             nothing: str) -> pl.DataFrame | None:
+    """``read`` for the selected scenario and window; None, said on the page, when ``table`` has no rows
+    for the scenario or none falls in the window (``nothing``: what the page then says is missing)."""
+    if empty(ctx, table):
+        return None
+    frame = read(ctx.cur, ctx.scenario, ctx.window)
+    if frame.height == 0:
+        st.info(f"{nothing} in this time window")
+        return None
+    return frame
 
 
 def no_rows(ctx: Context, table: str, how: str | None = None) -> None:

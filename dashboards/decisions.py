@@ -17,7 +17,9 @@ from kvlens.dashboards.actions import Action, actions
 from kvlens.dashboards.attribution import Attribution, attribute
 from kvlens.dashboards.findings import CAUSES
 from kvlens.dashboards.provenance import Origin
-from kvlens.dashboards.report_data import Headline, Window, has_rows, headlines, rows
+from kvlens.dashboards.queries import Headline, headlines
+from kvlens.dashboards.read import Window, has_rows, rows
+from kvlens.dashboards.report_queries import AVOIDABLE_SQL, PREFIX_WORTH_SQL
 from kvlens.dashboards.worth import Price, price_of
 from kvlens.errors import ConfigError
 
@@ -26,18 +28,6 @@ __all__ = ["AVOIDABLE", "Decisions", "decide", "pick_production"]
 # Misses some change could have avoided: every miss but the cold ones (DESIGN.md section 1).
 # Partial tails, recomputed_last blocks and unobserved blocks are not misses of a cache.
 AVOIDABLE = tuple(c for c in CAUSES if c != "miss_cold")
-
-AVOIDABLE_SQL = """
-SELECT CAST(outcome AS VARCHAR), replica, sum(tokens) FROM block_outcomes
-WHERE scenario = $scenario AND arrival_ns >= $start AND arrival_ns < $end AND list_contains($causes, outcome)
-GROUP BY ALL ORDER BY 3 DESC, 1, 2
-"""
-
-PREFIX_WORTH_SQL = """
-SELECT prefix_hash, prefix_tokens, requests, avoidable_miss_tokens FROM prefix_ranking
-WHERE scenario = $scenario AND avoidable_miss_tokens > 0
-ORDER BY avoidable_miss_tokens DESC, prefix_hash LIMIT $limit
-"""
 
 
 @dataclass(frozen=True)
@@ -62,7 +52,7 @@ class Decisions:
 
     @property
     def per_day(self) -> float:
-        return 86_400e9 / (self.window.end_ns - self.window.start_ns)
+        return 86_400e9 / self.window.length_ns
 
     def by_cause(self) -> dict[str, int]:
         out: dict[str, int] = {}
@@ -111,7 +101,7 @@ def decide(con: duckdb.DuckDBPyConnection, heads: dict[str, Headline], found: di
     stand_in = stand_in if production is not None else why
     cur = heads[name]
     prev = headlines(con, [name], window.previous()).get(name)
-    params = {"scenario": name, "start": window.start_ns, "end": window.end_ns, "causes": list(AVOIDABLE)}
+    params = window.params(scenario=name, causes=list(AVOIDABLE))
     avoidable = tuple((c, r, int(t)) for c, r, t in rows(con, AVOIDABLE_SQL, params))
     ranked = has_rows(con, "prefix_ranking")
     prefixes = tuple((int(h), int(t), int(n or 0), int(a)) for h, t, n, a in rows(

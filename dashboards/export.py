@@ -38,7 +38,7 @@ from kvlens.dashboards.export_windows import (
     load_windows,
     window_families,
 )
-from kvlens.dashboards.report_data import open_db
+from kvlens.dashboards.read import open_db
 from kvlens.schema import HIT_OUTCOMES_SQL
 
 __all__ = ["LEDGER_SQL", "RATIO_SQL", "LedgerCollector", "Snapshot", "load_snapshot", "serve"]

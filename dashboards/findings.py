@@ -14,8 +14,23 @@ import duckdb
 
 from kvlens.dashboards.formatting import fmt_bytes, fmt_ms, fmt_pct
 from kvlens.dashboards.provenance import Origin, origins, tagged
-from kvlens.dashboards.report_data import Window, has_rows, rows
-from kvlens.schema import HIT_OUTCOMES_SQL
+from kvlens.dashboards.read import Window, has_rows, rows
+from kvlens.dashboards.report_queries import (
+    CAPACITY_FINDING_SQL,
+    COLD_SHARE_SQL,
+    COMPARE_RATIOS_SQL,
+    CROSSOVER_FINDING_SQL,
+    FANOUT_FINDING_SQL,
+    HYGIENE_FINDING_SQL,
+    ISOLATION_FINDING_SQL,
+    NEVER_READ_SQL,
+    SLOWEST_CLASS_SQL,
+    SLOWEST_WARMUP_SQL,
+    TOP_PREFIX_SQL,
+    UNOBSERVED_SQL,
+    WHAT_IF_SERVED_SQL,
+    WORST_REPLICA_SQL,
+)
 
 __all__ = ["CAUSES", "findings", "fmt_bytes", "fmt_ms", "fmt_pct", "ranked_findings"]
 
@@ -30,43 +45,6 @@ CAUSES = {
     "miss_group": "another KV cache group (a sliding window) cut the hit short before it",
 }
 _ACTIONABLE = tuple(c for c in CAUSES if c != "miss_cold")
-_IN_WINDOW = "list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end"
-
-
-WORST_REPLICA_SQL = f"""
-WITH per AS (
-    SELECT scenario, replica, CAST(outcome AS VARCHAR) AS outcome, sum(tokens) AS tokens
-    FROM block_outcomes WHERE {_IN_WINDOW} GROUP BY ALL
-), prompt AS (
-    SELECT scenario, replica, sum(prompt_tokens) AS prompt_tokens FROM request_ledger
-    WHERE {_IN_WINDOW} GROUP BY ALL
-), fleet AS (
-    SELECT scenario, sum(prompt_tokens) AS prompt_tokens FROM prompt GROUP BY ALL
-), cause AS (
-    SELECT scenario, outcome, sum(tokens) AS tokens FROM per GROUP BY ALL
-), top_cause AS (
-    SELECT c.scenario, c.outcome, c.tokens / f.prompt_tokens AS fleet_share, c.tokens
-    FROM cause c JOIN fleet f USING (scenario) WHERE list_contains($actionable, c.outcome)
-    QUALIFY row_number() OVER (PARTITION BY c.scenario ORDER BY c.tokens DESC, c.outcome) = 1
-)
-SELECT t.scenario, t.outcome, t.fleet_share, p.replica, per.tokens / p.prompt_tokens AS replica_share,
-       t.tokens
-FROM top_cause t JOIN per USING (scenario, outcome) JOIN prompt p USING (scenario, replica)
-WHERE t.fleet_share > 0
-QUALIFY row_number() OVER (PARTITION BY t.scenario ORDER BY replica_share DESC, p.replica) = 1
-ORDER BY t.scenario
-"""
-
-# The same blocks (request, position, key) in the other scenarios: what they got there.
-WHAT_IF_SQL = f"""
-SELECT b.scenario, sum(a.tokens), sum(a.tokens) FILTER (WHERE b.outcome IN {HIT_OUTCOMES_SQL})
-FROM block_outcomes a JOIN block_outcomes b
-  ON a.request_id = b.request_id AND a.position = b.position AND a.block_hash = b.block_hash
-WHERE a.scenario = $scenario AND a.replica = $replica AND a.outcome = $outcome
-  AND a.arrival_ns >= $start AND a.arrival_ns < $end
-  AND b.scenario <> $scenario AND list_contains($names, b.scenario)
-GROUP BY b.scenario ORDER BY b.scenario
-"""
 
 Context = dict[str, Any]
 # A sentence, or a sentence with the recomputed tokens it concerns (what ranks it).
@@ -80,7 +58,7 @@ def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
                 f"{CAUSES[outcome]} ({outcome}); the worst replica is {replica}, where it cost "
                 f"{fmt_pct(replica_share)} of its prompt tokens.")
         served = [(s, (hit or 0) / total) for s, total, hit in rows(
-            con, WHAT_IF_SQL, {**p, "scenario": scenario, "replica": replica, "outcome": outcome})
+            con, WHAT_IF_SERVED_SQL, {**p, "scenario": scenario, "replica": replica, "outcome": outcome})
             if total]
         if served:
             text += " Of those tokens, " + ", ".join(
@@ -90,16 +68,8 @@ def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
     return out
 
 
-# Requests whose replica published no KV events have no hit ratio (their residency is unknown).
-COMPARE_SQL = f"""
-SELECT scenario, sum(hit_tokens) / sum(prompt_tokens) AS ratio FROM request_ledger
-WHERE {_IN_WINDOW} AND coalesce(unobserved_tokens, 0) = 0 GROUP BY ALL HAVING sum(prompt_tokens) > 0
-ORDER BY ratio DESC, scenario
-"""
-
-
 def _compare_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    ranked = rows(con, COMPARE_SQL, p)
+    ranked = rows(con, COMPARE_RATIOS_SQL, p)
     if len(ranked) < 2:
         return []
     (best, hi), (worst, lo) = ranked[0], ranked[-1]
@@ -107,18 +77,8 @@ def _compare_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
             f"{(hi - lo) * 100:.1f} points above {worst} ({_labelled(fmt_pct(lo), worst, p)})."]
 
 
-COLD_SQL = f"""
-SELECT b.scenario, sum(b.tokens) FILTER (WHERE b.outcome = 'miss_cold') / any_value(r.prompt_tokens)
-FROM block_outcomes b JOIN (
-    SELECT scenario, sum(prompt_tokens) AS prompt_tokens FROM request_ledger WHERE {_IN_WINDOW}
-    GROUP BY ALL) r USING (scenario)
-WHERE list_contains($names, b.scenario) AND b.arrival_ns >= $start AND b.arrival_ns < $end
-GROUP BY b.scenario ORDER BY b.scenario
-"""
-
-
 def _cold_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    shares = [(s, r) for s, r in rows(con, COLD_SQL, p) if r]
+    shares = [(s, r) for s, r in rows(con, COLD_SHARE_SQL, p) if r]
     if not shares:
         return []
     if len(shares) > 1 and max(r for _, r in shares) - min(r for _, r in shares) < 0.0005:
@@ -131,14 +91,6 @@ def _cold_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
             "(miss_cold): no cache could have served them."]
 
 
-UNOBSERVED_SQL = f"""
-SELECT scenario, sum(unobserved_tokens) / sum(prompt_tokens),
-       sum(reusable_tokens) FILTER (WHERE unobserved_tokens > 0)
-           / sum(prompt_tokens) FILTER (WHERE unobserved_tokens > 0)
-FROM request_ledger WHERE {_IN_WINDOW} GROUP BY ALL HAVING sum(unobserved_tokens) > 0 ORDER BY 1
-"""
-
-
 def _unobserved_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     return [f"In {s}, {fmt_pct(share)} of prompt tokens (their full blocks) ran on replicas that "
             "published no KV events (unobserved): whether they were cached is unknown, so they are counted "
@@ -146,21 +98,6 @@ def _unobserved_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str
             "those requests' prompt tokens (modelled: every full block an earlier request needed, no "
             "capacity limit)."
             for s, share, reusable in rows(con, UNOBSERVED_SQL, p)]
-
-
-CAPACITY_SQL = """
-WITH p AS (
-    SELECT scenario, sum(prompt_tokens) AS prompt, sum(tail_partial_tokens) AS tail FROM request_ledger
-    WHERE list_contains($names, scenario) GROUP BY ALL
-)
-SELECT list(c.scenario ORDER BY c.scenario), c.c_eff_bytes, c.hit_ratio_bytes_at_eff,
-       c.hit_ratio_bytes_at_2x_eff,
-       c.c_active_decode_bytes + c.c_reserved_bytes + c.c_fragmentation_bytes AS subtracted, c.active_source,
-       round((p.prompt - p.tail) / p.prompt, 6) AS full_share
-FROM capacity c JOIN p USING (scenario)
-WHERE list_contains($names, c.scenario) AND c.hit_ratio_bytes_at_eff IS NOT NULL AND p.prompt > 0
-GROUP BY ALL ORDER BY 1
-"""
 
 
 def _cache_words(c_eff: int, subtracted: int, active_source: str | None) -> str:
@@ -176,7 +113,7 @@ def _cache_words(c_eff: int, subtracted: int, active_source: str | None) -> str:
 
 def _capacity_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     out = []
-    for names, c_eff, at, at2, subtracted, active_source, full_share in rows(con, CAPACITY_SQL, p):
+    for names, c_eff, at, at2, subtracted, active_source, full_share in rows(con, CAPACITY_FINDING_SQL, p):
         who = "every scenario" if len(names) == len(p["names"]) > 1 else ", ".join(names)
         share = f" ({fmt_pct(at * full_share)} of prompt bytes)" if full_share is not None else ""
         out.append(f"Capacity ({who}, whole scenario): {_cache_words(c_eff, subtracted, active_source)}, "
@@ -186,31 +123,15 @@ def _capacity_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     return out
 
 
-LATENCY_SQL = """
-SELECT scenario, prefix_class, requests, ttft_p50_ms, ttft_p99_ms, p99_p50_ratio FROM latency_tails
-WHERE list_contains($names, scenario) AND replica = '*' AND window_start_ns IS NULL
-  AND prefix_class <> 'all' AND ttft_p99_ms IS NOT NULL
-ORDER BY ttft_p99_ms DESC, scenario, prefix_class LIMIT 1
-"""
-
-
 def _latency_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     out = []
-    for scenario, cls, n, p50, p99, ratio in rows(con, LATENCY_SQL, p):
+    for scenario, cls, n, p50, p99, ratio in rows(con, SLOWEST_CLASS_SQL, p):
         o = _origin(scenario, p)
         flag = " (a tail ratio above 5)" if ratio is not None and ratio > 5 else ""
         ratio_text = f", {ratio:.1f}x their P50 of {o.ttft(fmt_ms(p50))}{flag}" if ratio is not None else ""
         out.append(f"In {_who(scenario, p)}, the slowest prefix class is {cls} ({n:,} requests, whole "
                    f"scenario): TTFT P99 {o.ttft(fmt_ms(p99))}{ratio_text}.")
     return out
-
-
-PREFIX_SQL = """
-SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, benefit_ms, recommendation, reason,
-       recompute_label, remote_label, coalesce(avoidable_miss_tokens, 0)
-FROM prefix_ranking WHERE list_contains($names, scenario) AND benefit_ms > 0
-ORDER BY benefit_ms DESC NULLS LAST, scenario, prefix_hash LIMIT 1
-"""
 
 
 def _labels(recompute: str | None, load: str | None) -> str:
@@ -222,61 +143,31 @@ def _prefix_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
     return [(f"In {_who(s, p)}, the prefix worth most is {h:016x} ({tok:,} tokens, {reuses:,} re-accesses on "
             f"{reps:,} replicas): {rec}, an expected {(ms or 0) / 1e3:,.1f} s of prefill saved"
             f"{_labels(rl, ll)}; {str(reason).rstrip('.')}.", int(avoidable))
-            for s, h, tok, reuses, reps, ms, rec, reason, rl, ll, avoidable in rows(con, PREFIX_SQL, p)]
-
-
-HYGIENE_SQL = """
-SELECT scenario, count(*), sum(lost_tokens), sum(lost_bytes) FROM hygiene
-WHERE list_contains($names, scenario) AND arrival_ns >= $start AND arrival_ns < $end
-GROUP BY ALL ORDER BY 3 DESC, 1 LIMIT 1
-"""
+            for s, h, tok, reuses, reps, ms, rec, reason, rl, ll, avoidable in rows(con, TOP_PREFIX_SQL, p)]
 
 
 def _hygiene_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
     return [(f"In {_who(s, p)}, {n:,} requests split their prefix chain early: moving the dynamic part to "
             f"the end would make {tok or 0:,} more tokens ({fmt_bytes(b)}{_bytes_note([s], p)}) reusable.",
-             int(tok or 0)) for s, n, tok, b in rows(con, HYGIENE_SQL, p)]
-
-
-ISOLATION_SQL = """
-SELECT scenario, finding, any_value(severity), count(*), sum(blocks),
-       arg_min(detail, CASE severity WHEN 'high' THEN 0 WHEN 'medium' THEN 1 ELSE 2 END)
-FROM isolation_findings WHERE list_contains($names, scenario) GROUP BY ALL
-ORDER BY min(CASE severity WHEN 'high' THEN 0 WHEN 'medium' THEN 1 ELSE 2 END), sum(blocks) DESC, 1, 2 LIMIT 3
-"""
+             int(tok or 0)) for s, n, tok, b in rows(con, HYGIENE_FINDING_SQL, p)]
 
 
 def _isolation_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     return [f"In {_who(s, p)}, {n:,} {finding} finding(s){f' (severity {sev})' if sev else ''} over "
             f"{blocks or 0:,} blocks, e.g. {detail}" + ("" if str(detail).endswith(".") else ".")
-            for s, finding, sev, n, blocks, detail in rows(con, ISOLATION_SQL, p)]
-
-
-FLOWS_SQL = """
-SELECT scenario, CAST(tier AS VARCHAR), sum(write_bytes), sum(never_read_bytes) FROM flows
-WHERE list_contains($names, scenario) AND window_start_ns >= $start AND window_start_ns < $end
-GROUP BY ALL HAVING sum(never_read_bytes) > 0
-ORDER BY sum(never_read_bytes) / sum(write_bytes) DESC NULLS LAST, 1, 2 LIMIT 1
-"""
+            for s, finding, sev, n, blocks, detail in rows(con, ISOLATION_FINDING_SQL, p)]
 
 
 def _flow_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     return [f"In {_who(s, p)}, {fmt_bytes(never)} of the {fmt_bytes(written)} written to the {tier} tier "
             f"were removed without ever being read ({fmt_pct(never / written if written else None)})"
             f"{_bytes_note([s], p)}."
-            for s, tier, written, never in rows(con, FLOWS_SQL, p)]
-
-
-WARMUP_SQL = """
-SELECT scenario, replica, steady_after_ns, prewarm_bytes, saved_tokens FROM warmup
-WHERE list_contains($names, scenario) AND steady_after_ns IS NOT NULL
-ORDER BY steady_after_ns DESC, scenario, replica LIMIT 1
-"""
+            for s, tier, written, never in rows(con, NEVER_READ_SQL, p)]
 
 
 def _warmup_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
     out: list[Found] = []
-    for s, r, ns, b, saved in rows(con, WARMUP_SQL, p):
+    for s, r, ns, b, saved in rows(con, SLOWEST_WARMUP_SQL, p):
         text = (f"In {_who(s, p)}, {r} took the longest to warm up: {ns / 60e9:.1f} min to the fleet's "
                 f"steady hit ratio; pre-warming its hot prefixes would move "
                 f"{fmt_bytes(b)}{_bytes_note([s], p)}")
@@ -284,18 +175,11 @@ def _warmup_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
     return out
 
 
-CROSSOVER_SQL = """
-SELECT device, model, path, min(prefix_tokens) FILTER (WHERE winner = 'load') AS from_tokens,
-       max(prefix_tokens), string_agg(DISTINCT load_label, '/'), string_agg(DISTINCT recompute_label, '/')
-FROM crossover WHERE list_contains($names, scenario)
-GROUP BY ALL ORDER BY 1, 2, 3
-"""
-
-
 def _crossover_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     by_device: dict[tuple[str, str], list[str]] = {}
     labels: dict[tuple[str, str], set[str]] = {}
-    for device, model, path, from_tokens, longest, load_label, rec_label in rows(con, CROSSOVER_SQL, p):
+    found = rows(con, CROSSOVER_FINDING_SQL, p)
+    for device, model, path, from_tokens, longest, load_label, rec_label in found:
         said = (f"never over {path} (up to {longest:,} tokens)" if from_tokens is None
                 else f"from {from_tokens:,} tokens over {path}")
         by_device.setdefault((device, model), []).append(said)
@@ -306,18 +190,11 @@ def _crossover_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]
             for (device, model), said in by_device.items()]
 
 
-FANOUT_SQL = """
-SELECT scenario, sum(needed_blocks), sum(shared_blocks), max(fanout_max_replicas), sum(duplicate_bytes)
-FROM fanout WHERE list_contains($names, scenario) AND window_start_ns >= $start AND window_start_ns < $end
-GROUP BY ALL HAVING sum(shared_blocks) > 0 ORDER BY sum(duplicate_bytes) DESC, 1 LIMIT 1
-"""
-
-
 def _fanout_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
     return [f"In {_who(s, p)}, {shared:,} of {needed:,} distinct blocks needed per window "
             f"({fmt_pct(shared / needed if needed else None)}) were needed by two replicas or more "
             f"(up to {most:,}): {fmt_bytes(dup)} of KV held or computed more than once{_bytes_note([s], p)}."
-            for s, needed, shared, most, dup in rows(con, FANOUT_SQL, p)]
+            for s, needed, shared, most, dup in rows(con, FANOUT_FINDING_SQL, p)]
 
 
 def _origin(scenario: str, p: Context) -> Origin:
@@ -370,8 +247,7 @@ def ranked_findings(con: duckdb.DuckDBPyConnection, names: list[str],
 
     The tokens are what a finding is worth: each priced alike by the cost model (dashboards/worth.py).
     """
-    p: Context = {"names": names, "start": window.start_ns, "end": window.end_ns,
-                  "actionable": list(_ACTIONABLE), "origins": origins(con, names)}
+    p: Context = window.params(names=names, actionable=list(_ACTIONABLE), origins=origins(con, names))
     out: list[tuple[str, int | None]] = []
     for table, finder in FINDERS:
         if has_rows(con, table):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import duckdb
 
-from kvlens.dashboards.queries import table_columns
+from kvlens.dashboards.read import rows, table_columns
 
 __all__ = ["Origin", "bytes_sentence", "origins", "tagged"]
 
@@ -53,12 +53,15 @@ class Origin:
         return f"{text} ({self.ttft_label})" if self.ttft_label and text != "n/a" else text
 
 
+# {columns}: _COLUMNS, NULL for those an older analysis DB lacks (schema names, never user input).
+ORIGINS_SQL = "SELECT {columns} FROM scenarios ORDER BY scenario"
+
+
 def origins(con: duckdb.DuckDBPyConnection, names: list[str] | None = None) -> dict[str, Origin]:
     """Per analyzed scenario (of ``names`` when given): its Origin."""
     have = set(table_columns(con, "scenarios"))
-    cols = [c if c in have else f"NULL AS {c}" for c in _COLUMNS]  # schema names, never user input
-    rows = con.execute(f"SELECT {', '.join(cols)} FROM scenarios ORDER BY scenario").fetchall()
-    found = {r[0]: Origin(*r) for r in rows}
+    cols = [c if c in have else f"NULL AS {c}" for c in _COLUMNS]
+    found = {r[0]: Origin(*r) for r in rows(con, ORIGINS_SQL.format(columns=", ".join(cols)))}
     return found if names is None else {n: found.get(n, Origin(n)) for n in names}
 
 

@@ -1,32 +1,37 @@
-"""Dashboards: read-only queries over the analysis DB, one Polars frame each (no Streamlit here).
+"""Dashboards: the reads the pages and the report share: scenarios, spans, headline totals, ledgers, trends.
 
-Every filter is a bound parameter (``$scenario``, ``$start_ns``, ``$end_ns``); nothing from the
-user is formatted into SQL. A ``Window`` of ``None`` bounds means the whole scenario.
-The dashboard pages and the report share these functions.
+Each function takes a cursor, the scenario(s) and a ``Window`` (dashboards/read.py) and returns
+a Polars frame, a dict or a frozen record; every filter is a bound parameter. The token and byte
+hit ratios are defined once, on ``Headline``, over ``HEADLINE_SQL``'s totals.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import duckdb
 import polars as pl
 
-from kvlens.schema import HIT_OUTCOMES, HIT_OUTCOMES_SQL
+from kvlens.dashboards.read import Window, fetch, in_window, rows
+from kvlens.schema import HIT_OUTCOMES_SQL
 
 __all__ = [
-    "HIT_OUTCOMES",
-    "Window",
-    "fetch",
+    "NAMES_IN_WINDOW",
+    "Headline",
+    "LedgerRow",
+    "headlines",
     "hit_ratios",
-    "in_window",
+    "latest_arrivals",
+    "ledger",
     "ledger_by_outcome",
     "pick_bucket_ns",
+    "reconciliation",
+    "scenario_ledgers",
+    "scenario_names",
     "scenario_span_ns",
+    "scenario_tails",
     "scenarios",
-    "table_columns",
-    "table_rows",
     "trend",
 ]
 
@@ -34,65 +39,6 @@ __all__ = [
 # The bucket widths a trend may use; the first that gives at most _MAX_BUCKETS points wins.
 _BUCKETS_NS = tuple(m * 60 * 10**9 for m in (1, 5, 15, 60, 360, 1440))
 _MAX_BUCKETS = 30
-
-
-@dataclass(frozen=True)
-class Window:
-    """A scenario and an optional arrival-time window [start_ns, end_ns] (inclusive)."""
-
-    scenario: str
-    start_ns: int | None = None
-    end_ns: int | None = None
-
-    @property
-    def whole(self) -> bool:
-        return self.start_ns is None and self.end_ns is None
-
-    def params(self, **extra: Any) -> dict[str, Any]:
-        return {"scenario": self.scenario, "start_ns": self.start_ns, "end_ns": self.end_ns, **extra}
-
-
-def fetch(cur: duckdb.DuckDBPyConnection, sql: str, params: dict[str, Any] | None = None) -> pl.DataFrame:
-    """Run one bound query; the rows as a Polars frame."""
-    return cur.sql(sql, params=params or {}).pl()
-
-
-# A time predicate on column COL inside the window; the casts let NULL bounds type-check.
-def in_window(col: str) -> str:
-    """SQL predicate: ``col`` within [$start_ns, $end_ns], either bound may be NULL."""
-    return (
-        f"(CAST($start_ns AS BIGINT) IS NULL OR {col} >= $start_ns) AND "
-        f"(CAST($end_ns AS BIGINT) IS NULL OR {col} <= $end_ns)"
-    )
-
-
-TABLE_COLUMNS_SQL = """
-SELECT column_name FROM information_schema.columns
-WHERE table_name = $table AND table_schema = 'main' ORDER BY ordinal_position
-"""
-
-
-def table_columns(cur: duckdb.DuckDBPyConnection, table: str) -> list[str]:
-    """The table's columns; empty when the DB has no such table (an older analysis DB)."""
-    return [r[0] for r in cur.sql(TABLE_COLUMNS_SQL, params={"table": table}).fetchall()]
-
-
-def table_rows(cur: duckdb.DuckDBPyConnection, table: str, scenario: str | None = None) -> int | None:
-    """Rows of ``table`` (for ``scenario`` when given and the table has that column); None if absent.
-
-    ``table`` must be a known analysis table name: it is checked against information_schema
-    before it is quoted into the statement, because a table name cannot be bound.
-    """
-    cols = table_columns(cur, table)
-    if not cols:
-        return None
-    ident = '"' + table.replace('"', '""') + '"'
-    if scenario is not None and "scenario" in cols:
-        rows = cur.sql(f"SELECT count(*) FROM {ident} WHERE scenario = $s", params={"s": scenario}).fetchall()
-    else:
-        rows = cur.sql(f"SELECT count(*) FROM {ident}").fetchall()
-    return int(rows[0][0])
-
 
 SCENARIOS_SQL = """
 SELECT scenario, model, kv_bytes_per_token, requests, needed_blocks FROM scenarios ORDER BY scenario
@@ -104,13 +50,111 @@ def scenarios(cur: duckdb.DuckDBPyConnection) -> pl.DataFrame:
     return fetch(cur, SCENARIOS_SQL)
 
 
+SCENARIO_NAMES_SQL = "SELECT DISTINCT scenario FROM request_ledger ORDER BY 1"
+
+
+def scenario_names(cur: duckdb.DuckDBPyConnection, chosen: list[str] | None) -> list[str]:
+    """The analyzed scenarios (or the chosen ones that were analyzed), sorted."""
+    present = [r[0] for r in rows(cur, SCENARIO_NAMES_SQL)]
+    if not chosen:
+        return present
+    return sorted(s for s in set(chosen) if s in present)
+
+
 SPAN_SQL = "SELECT min(arrival_ns), max(arrival_ns) FROM request_ledger WHERE scenario = $scenario"
 
 
 def scenario_span_ns(cur: duckdb.DuckDBPyConnection, scenario: str) -> tuple[int, int] | None:
     """First and last arrival of the scenario's requests; None when it has none."""
-    lo, hi = cur.sql(SPAN_SQL, params={"scenario": scenario}).fetchall()[0]
+    ((lo, hi),) = rows(cur, SPAN_SQL, {"scenario": scenario})
     return None if lo is None else (int(lo), int(hi))
+
+
+LATEST_SQL = """
+SELECT scenario, max(arrival_ns) FROM request_ledger WHERE list_contains($names, scenario)
+GROUP BY scenario ORDER BY scenario
+"""
+
+
+def latest_arrivals(cur: duckdb.DuckDBPyConnection, names: list[str]) -> dict[str, int]:
+    """Per scenario: just after its latest arrival (a replayed trace keeps its own epoch)."""
+    return {s: int(t) + 1 for s, t in rows(cur, LATEST_SQL, {"names": names}) if t is not None}
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One scenario's totals in a window."""
+
+    scenario: str
+    requests: int
+    prompt_tokens: int
+    hit_tokens: int
+    tail_partial_tokens: int
+    hit_bytes: int
+    prompt_bytes: int | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    unobserved_tokens: int = 0
+    incomplete_requests: int = 0  # after an unfillable KV-event gap (request_ledger.events_incomplete)
+    reusable_tokens: int = 0  # what an unbounded cache could have served (modelled)
+
+    @property
+    def observed(self) -> bool:
+        """Some prompt token ran on a replica that published KV events (else no ratio is known)."""
+        return self.prompt_tokens - self.tail_partial_tokens > self.unobserved_tokens
+
+    @property
+    def token_hit_ratio(self) -> float | None:
+        """Hit tokens over prompt tokens (partial tails count as recomputed); None without events."""
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens and self.observed else None
+
+    @property
+    def byte_hit_ratio(self) -> float | None:
+        """Hit KV bytes over the KV bytes of every prompt token (tails included); None without events."""
+        return self.hit_bytes / self.prompt_bytes if self.prompt_bytes and self.observed else None
+
+
+# The named scenarios' requests (or blocks) that arrived in the window.
+NAMES_IN_WINDOW = f"list_contains($names, scenario) AND {in_window('arrival_ns')}"
+
+HEADLINE_SQL = f"""
+WITH r AS (
+    SELECT scenario, count(*) AS requests, sum(prompt_tokens) AS prompt_tokens,
+           sum(hit_tokens) AS hit_tokens, sum(tail_partial_tokens) AS tail_partial_tokens,
+           median(ttft_ms) AS ttft_p50_ms, quantile_cont(ttft_ms, 0.99) AS ttft_p99_ms,
+           sum(coalesce(unobserved_tokens, 0)) AS unobserved_tokens,
+           count(*) FILTER (WHERE events_incomplete) AS incomplete_requests,
+           sum(coalesce(reusable_tokens, 0)) AS reusable_tokens
+    FROM request_ledger WHERE {NAMES_IN_WINDOW} GROUP BY scenario
+), b AS (
+    SELECT scenario, sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS hit_bytes
+    FROM block_outcomes WHERE {NAMES_IN_WINDOW} GROUP BY scenario
+)
+SELECT r.scenario, r.requests, r.prompt_tokens, r.hit_tokens, r.tail_partial_tokens,
+       coalesce(b.hit_bytes, 0), r.prompt_tokens * s.kv_bytes_per_token, r.ttft_p50_ms, r.ttft_p99_ms,
+       r.unobserved_tokens, r.incomplete_requests, r.reusable_tokens
+FROM r LEFT JOIN b USING (scenario) LEFT JOIN scenarios s USING (scenario) ORDER BY r.scenario
+"""
+
+
+def headlines(cur: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> dict[str, Headline]:
+    """Per scenario with requests in the window: its totals."""
+    out = {}
+    for r in rows(cur, HEADLINE_SQL, window.params(names=names)):
+        out[r[0]] = Headline(r[0], int(r[1]), int(r[2] or 0), int(r[3] or 0), int(r[4] or 0), int(r[5]),
+                             None if r[6] is None else int(r[6]), r[7], r[8], int(r[9] or 0),
+                             int(r[10] or 0), int(r[11] or 0))
+    return out
+
+
+def hit_ratios(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> dict[str, Any]:
+    """The scenario's ``Headline`` in the window as a dict, with ``token_hit_ratio`` and
+    ``byte_hit_ratio`` (both None when no replica published KV events); empty when no request
+    arrived in the window."""
+    found = headlines(cur, [scenario], window).get(scenario)
+    if found is None:
+        return {}
+    return {**asdict(found), "token_hit_ratio": found.token_hit_ratio, "byte_hit_ratio": found.byte_hit_ratio}
 
 
 # The whole-scenario ledger is miss_ledger itself; a window recounts block_outcomes in it.
@@ -127,49 +171,43 @@ GROUP BY ALL ORDER BY replica, outcome
 """
 
 
-def ledger_by_outcome(cur: duckdb.DuckDBPyConnection, window: Window) -> pl.DataFrame:
+def ledger_by_outcome(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window) -> pl.DataFrame:
     """``scenario``, ``replica``, ``outcome``, ``blocks``, ``tokens``, ``bytes`` in the window."""
-    if window.whole:
-        return fetch(cur, LEDGER_WHOLE_SQL, {"scenario": window.scenario})
-    return fetch(cur, LEDGER_WINDOW_SQL, window.params())
+    sql = LEDGER_WHOLE_SQL if window.whole else LEDGER_WINDOW_SQL
+    return fetch(cur, sql, window.params(scenario=scenario))
 
 
-RATIOS_SQL = f"""
-WITH r AS (
-    SELECT count(*) AS requests, CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens,
-           CAST(sum(hit_tokens) AS BIGINT) AS hit_tokens,
-           CAST(sum(coalesce(unobserved_tokens, 0)) AS BIGINT) AS unobserved_tokens,
-           CAST(sum(coalesce(reusable_tokens, 0)) AS BIGINT) AS reusable_tokens,
-           count(*) FILTER (WHERE events_incomplete) AS incomplete_requests,
-           sum(prompt_tokens - coalesce(tail_partial_tokens, 0) - coalesce(unobserved_tokens, 0))
-               AS observed_tokens
-    FROM request_ledger WHERE scenario = $scenario AND {in_window("arrival_ns")}
-), b AS (
-    SELECT CAST(sum(bytes) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS BIGINT)
-           AS hit_bytes
-    FROM block_outcomes WHERE scenario = $scenario AND {in_window("arrival_ns")}
-)
--- Without KV events from any replica residency is unknown: no hit ratio (NULL), not 0.
-SELECT r.requests, r.prompt_tokens, r.hit_tokens,
-       CASE WHEN r.observed_tokens > 0 THEN r.hit_tokens / nullif(r.prompt_tokens, 0) END AS token_hit_ratio,
-       coalesce(b.hit_bytes, 0) AS hit_bytes,
-       r.prompt_tokens * s.kv_bytes_per_token AS prompt_bytes,
-       CASE WHEN r.observed_tokens > 0
-            THEN coalesce(b.hit_bytes, 0) / nullif(r.prompt_tokens * s.kv_bytes_per_token, 0) END
-           AS byte_hit_ratio,
-       r.unobserved_tokens, r.reusable_tokens, r.incomplete_requests
-FROM r, b, scenarios s WHERE s.scenario = $scenario
+SCENARIO_LEDGERS_WHOLE_SQL = """
+SELECT scenario, CAST(outcome AS VARCHAR) AS outcome, CAST(sum(tokens) AS BIGINT) AS tokens,
+       CAST(sum(bytes) AS BIGINT) AS bytes
+FROM miss_ledger WHERE list_contains($names, scenario) GROUP BY ALL ORDER BY scenario, outcome
+"""
+SCENARIO_LEDGERS_WINDOW_SQL = f"""
+SELECT scenario, CAST(outcome AS VARCHAR) AS outcome, CAST(sum(tokens) AS BIGINT) AS tokens,
+       CAST(sum(bytes) AS BIGINT) AS bytes
+FROM block_outcomes WHERE {NAMES_IN_WINDOW}
+GROUP BY ALL ORDER BY scenario, outcome
 """
 
 
-def hit_ratios(cur: duckdb.DuckDBPyConnection, window: Window) -> dict[str, Any]:
-    """Per token and per byte over every prompt token (tails included) in the window:
-    ``requests``, ``prompt_tokens``, ``hit_tokens``, ``token_hit_ratio``, ``hit_bytes``,
-    ``prompt_bytes``, ``byte_hit_ratio`` (both None when no replica published KV events),
-    ``unobserved_tokens``, ``reusable_tokens``, ``incomplete_requests`` (after an unfillable KV-event
-    gap: request_ledger.events_incomplete); empty dict when the scenario has no rows."""
-    frame = fetch(cur, RATIOS_SQL, window.params())
-    return frame.row(0, named=True) if frame.height else {}
+def scenario_ledgers(cur: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> pl.DataFrame:
+    """``scenario``, ``outcome``, ``tokens``, ``bytes`` for each named scenario, in the window."""
+    sql = SCENARIO_LEDGERS_WHOLE_SQL if window.whole else SCENARIO_LEDGERS_WINDOW_SQL
+    return fetch(cur, sql, window.params(names=names))
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    scenario: str
+    outcome: str
+    tokens: int
+    bytes: int
+
+
+def ledger(cur: duckdb.DuckDBPyConnection, names: list[str], window: Window) -> list[LedgerRow]:
+    """Tokens and bytes per scenario and outcome for the window's requests (``block_outcomes``)."""
+    found = rows(cur, SCENARIO_LEDGERS_WINDOW_SQL, window.params(names=names))
+    return [LedgerRow(s, o, int(t), int(b)) for s, o, t, b in found]
 
 
 def pick_bucket_ns(span_ns: int) -> int:
@@ -190,9 +228,9 @@ GROUP BY 1 ORDER BY 1
 """
 
 
-def trend(cur: duckdb.DuckDBPyConnection, window: Window, bucket_ns: int) -> pl.DataFrame:
+def trend(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window, bucket_ns: int) -> pl.DataFrame:
     """``bucket`` (datetime), ``requests``, ``prompt_tokens``, ``hit_tokens``, ``token_hit_ratio``."""
-    return fetch(cur, TREND_SQL, window.params(bucket_ns=bucket_ns))
+    return fetch(cur, TREND_SQL, window.params(scenario=scenario, bucket_ns=bucket_ns))
 
 
 RECONCILIATION_SQL = """
@@ -211,3 +249,17 @@ GROUP BY replica ORDER BY replica
 def reconciliation(cur: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFrame:
     """Per replica: the engines' own prefix-cache hit counters beside the ledger's hit tokens."""
     return fetch(cur, RECONCILIATION_SQL, {"scenario": scenario})
+
+
+TAILS_COLS = "requests, ttft_p50_ms, ttft_p95_ms, ttft_p99_ms, p99_p50_ratio, queue_p50_ms"
+SCENARIO_TAILS_SQL = f"""
+SELECT scenario, {TAILS_COLS} FROM latency_tails
+WHERE list_contains($names, scenario) AND replica = '*' AND window_start_ns IS NULL
+  AND prefix_class = 'all' ORDER BY scenario
+"""
+
+
+def scenario_tails(cur: duckdb.DuckDBPyConnection, names: list[str]) -> pl.DataFrame:
+    """Whole-scenario, all-replica, all-class tails for each named scenario: ``scenario``, ``requests``,
+    ``ttft_p50_ms``, ``ttft_p95_ms``, ``ttft_p99_ms``, ``p99_p50_ratio``, ``queue_p50_ms``."""
+    return fetch(cur, SCENARIO_TAILS_SQL, {"names": names})

@@ -21,23 +21,25 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from kvlens.dashboards import charts, queries
+from kvlens.dashboards import charts
 from kvlens.dashboards.decisions import Decisions, decide, pick_production
 from kvlens.dashboards.findings import ranked_findings
 from kvlens.dashboards.formatting import fmt_ms, fmt_pct
 from kvlens.dashboards.provenance import Origin, bytes_sentence, origins, tagged
-from kvlens.dashboards.report_data import (
+from kvlens.dashboards.queries import (
+    SCENARIO_TAILS_SQL,
     Headline,
-    Window,
-    has_rows,
     headlines,
     latest_arrivals,
     ledger,
-    open_db,
-    rows,
+    pick_bucket_ns,
+    scenario_span_ns,
+    trend,
 )
-from kvlens.dashboards.report_data import scenario_names as analyzed_scenarios
+from kvlens.dashboards.queries import scenario_names as analyzed_scenarios
+from kvlens.dashboards.read import Window, has_rows, open_db, rows
 from kvlens.dashboards.report_lead import attribution_section, lead, worth_section
+from kvlens.dashboards.report_queries import CROSSOVER_POINTS_SQL, TOP_PREFIXES_SQL
 from kvlens.dashboards.report_render import Chart, Lead, Section, Table, png_size, render_html, render_text
 from kvlens.errors import ConfigError, NoDataError
 
@@ -210,13 +212,13 @@ def _trend_section(con: duckdb.DuckDBPyConnection, groups: Groups) -> Section | 
 def _trend_chart(con: duckdb.DuckDBPyConnection, names: list[str], window: Window, cid: str,
                  who: str) -> Chart | None:
     frames = []
+    start, end = window.bounds()
     for name in names:
-        span = queries.scenario_span_ns(con, name)
+        span = scenario_span_ns(con, name)
         if span is None:
             continue
-        lo, hi = max(span[0], window.start_ns), min(span[1], window.end_ns - 1)
-        w = queries.Window(name, window.start_ns, window.end_ns - 1)  # inclusive end: [start, end)
-        frame = queries.trend(con, w, queries.pick_bucket_ns(max(hi - lo, 0)))
+        lo, hi = max(span[0], start), min(span[1], end - 1)  # the first and last ns that can arrive in it
+        frame = trend(con, name, window, pick_bucket_ns(max(hi - lo, 0)))
         frames.append(frame.with_columns(pl.lit(name).alias("scenario")))
     data = pl.concat(frames) if frames else pl.DataFrame()
     if data.is_empty():
@@ -225,16 +227,10 @@ def _trend_chart(con: duckdb.DuckDBPyConnection, names: list[str], window: Windo
     return _png(charts.hit_ratio_trend_chart(data, title=title).encode(color="scenario:N"), cid, title)
 
 
-TAILS_SQL = """
-SELECT scenario, requests, ttft_p50_ms, ttft_p95_ms, ttft_p99_ms, p99_p50_ratio FROM latency_tails
-WHERE list_contains($names, scenario) AND replica = '*' AND window_start_ns IS NULL AND prefix_class = 'all'
-ORDER BY scenario
-"""
-
-
 def _latency_section(con: duckdb.DuckDBPyConnection, names: list[str],
                      origin: dict[str, Origin]) -> Section | None:
-    found = rows(con, TAILS_SQL, {"names": names}) if has_rows(con, "latency_tails") else []
+    tails = rows(con, SCENARIO_TAILS_SQL, {"names": names}) if has_rows(con, "latency_tails") else []
+    found = [r[:6] for r in tails]  # without the queue's P50 (the dashboard shows it)
     if not found:
         return None
     frame = pl.DataFrame([{"scenario": s, "percentile": q, "ttft_ms": v} for s, _, p50, p95, p99, _ in found
@@ -249,20 +245,9 @@ def _latency_section(con: duckdb.DuckDBPyConnection, names: list[str],
         ("scenario", "requests", "TTFT P50", "TTFT P95", "TTFT P99", "P99/P50"), body)], charts=[chart])
 
 
-PREFIXES_SQL = """
-SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, bytes, benefit_ms, recommendation,
-       CASE WHEN recompute_label = 'measured' AND remote_label = 'measured' THEN 'measured'
-            ELSE 'modelled' END
-FROM prefix_ranking WHERE list_contains($names, scenario) AND benefit_ms > 0
-QUALIFY row_number() OVER (PARTITION BY scenario ORDER BY rank NULLS LAST, benefit_ms DESC NULLS LAST,
-                                                          prefix_hash) <= 5
-ORDER BY scenario, rank NULLS LAST, benefit_ms DESC NULLS LAST, prefix_hash
-"""
-
-
 def _prefix_section(con: duckdb.DuckDBPyConnection, names: list[str],
                     origin: dict[str, Origin]) -> Section | None:
-    found = rows(con, PREFIXES_SQL, {"names": names}) if has_rows(con, "prefix_ranking") else []
+    found = rows(con, TOP_PREFIXES_SQL, {"names": names}) if has_rows(con, "prefix_ranking") else []
     if not found:
         return None
     # A what-if's benefit rests on its simulated misses: modelled whatever the cost model measured.
@@ -273,14 +258,8 @@ def _prefix_section(con: duckdb.DuckDBPyConnection, names: list[str],
         ("scenario", "prefix", "tokens", "re-accesses", "replicas", "benefit", "recommendation"), body)])
 
 
-CROSSOVER_SQL = """
-SELECT DISTINCT device, model, path, prefix_tokens, recompute_ms, recompute_label, load_ms, load_label, winner
-FROM crossover WHERE list_contains($names, scenario) ORDER BY 1, 2, 3, 4
-"""
-
-
 def _crossover_section(con: duckdb.DuckDBPyConnection, names: list[str]) -> Section | None:
-    found = rows(con, CROSSOVER_SQL, {"names": names}) if has_rows(con, "crossover") else []
+    found = rows(con, CROSSOVER_POINTS_SQL, {"names": names}) if has_rows(con, "crossover") else []
     if not found:
         return None
     device, model = found[0][0], found[0][1]
@@ -371,7 +350,7 @@ def build_report(db_path: str | Path, *, since_ns: int = DAY_NS, now_ns: int | N
     finally:
         con.close()
     title = "kvlens report"
-    now = max(w.end_ns for w, _ in groups)
+    now = max(w.bounds()[1] for w, _ in groups)
     if len(groups) == 1:
         meta = f"Scenarios {', '.join(names)}; window {groups[0][0].label()} ({_duration(since_ns)})."
     else:

@@ -20,6 +20,8 @@ import polars as pl
 
 from kvlens.analyzers.costs import DEFAULT_DEVICE, cost_model
 from kvlens.dashboards.formatting import fmt_gpu_hours, fmt_usd
+from kvlens.dashboards.read import fetch, from_lake_view
+from kvlens.dashboards.report_queries import PROBE_RUNS_SQL
 from kvlens.errors import KvlensError
 from kvlens.models import get_model
 
@@ -64,29 +66,10 @@ class Price:
         return fmt_gpu_hours(self.gpu_hours(tokens)) + ("" if usd is None else f" ({fmt_usd(usd)})")
 
 
-HAS_PROBE_RUNS_SQL = """
-SELECT count(*) FROM information_schema.tables
-WHERE table_catalog = 'analysis' AND table_schema = 'main' AND table_name = 'probe_runs'
-"""
-
-
 def _probe_runs(con: duckdb.DuckDBPyConnection) -> pl.DataFrame | None:
-    """The lake's probe rows as the analysis DB's view shows them; None when there is none to read.
-
-    Read on a cursor of its own: a lake that has moved fails here (the price is then modelled)
-    without leaving the report's connection mid-result.
-    """
-    ((found,),) = con.execute(HAS_PROBE_RUNS_SQL).fetchall()
-    if not found:
-        return None
-    cur = con.cursor()
-    try:
-        return cur.sql("SELECT * FROM analysis.main.probe_runs WHERE source = 'gpu'").pl()
-    except duckdb.Error as e:
-        log.warning("probe_runs unreadable (%s): the recompute price is modelled", str(e).splitlines()[0])
-        return None
-    finally:
-        cur.close()
+    """The lake's probe rows as the analysis DB's view shows them; None when there is none to read
+    (a lake that has moved: the recompute price is then modelled)."""
+    return from_lake_view(con, "probe_runs", lambda cur: fetch(cur, PROBE_RUNS_SQL))
 
 
 def price_of(con: duckdb.DuckDBPyConnection, model: str | None, mean_prompt_tokens: float,

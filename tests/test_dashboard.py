@@ -17,7 +17,8 @@ from streamlit.testing.v1 import AppTest
 from kvlens.cli import cli
 from kvlens.dashboards import analyses, charts
 from kvlens.dashboards.app import PAGES
-from kvlens.dashboards.queries import Window, hit_ratios, ledger_by_outcome, scenario_span_ns
+from kvlens.dashboards.queries import hit_ratios, ledger_by_outcome, scenario_span_ns
+from kvlens.dashboards.read import Window
 
 # The table whose rows a page's chart is drawn from (the page says "no rows yet" without them).
 PAGE_TABLES = {
@@ -67,7 +68,7 @@ def _page(db: str, page: str) -> AppTest:
 
 
 def _rows(cur: duckdb.DuckDBPyConnection, table: str, scenario: str) -> int:
-    from kvlens.dashboards.queries import table_rows
+    from kvlens.dashboards.read import table_rows
 
     return table_rows(cur, table, scenario) or 0
 
@@ -135,7 +136,7 @@ def test_time_window_narrows_the_requests(db: str, cur: duckdb.DuckDBPyConnectio
         "SELECT count(*) FROM request_ledger WHERE scenario = ? AND arrival_ns BETWEEN ? AND ?",
         [scenario, start_ns, end_ns],
     ).fetchall()[0][0]
-    assert 0 < n < hit_ratios(cur, Window(scenario))["requests"]
+    assert 0 < n < hit_ratios(cur, scenario, Window())["requests"]
     assert _metric(at, "Requests") == f"{n:,}"
 
 
@@ -189,13 +190,13 @@ def test_missing_db_is_an_error_on_the_page(tmp_path: Path) -> None:
 
 
 def test_filters_are_bound_not_formatted(cur: duckdb.DuckDBPyConnection) -> None:
-    assert ledger_by_outcome(cur, Window("x' OR '1'='1")).height == 0
+    assert ledger_by_outcome(cur, "x' OR '1'='1", Window()).height == 0
     assert scenario_span_ns(cur, "x' OR '1'='1") is None
 
 
 def test_chart_builders_give_valid_specs(cur: duckdb.DuckDBPyConnection) -> None:
     scenario = cur.execute("SELECT min(scenario) FROM scenarios").fetchall()[0][0]
-    ledger = ledger_by_outcome(cur, Window(scenario))
+    ledger = ledger_by_outcome(cur, scenario, Window())
     specs = [
         charts.ledger_chart(ledger),
         charts.ledger_share_chart(ledger),

@@ -23,7 +23,7 @@ import pytest
 from test_dashboard import PAGE_TABLES
 
 from kvlens.dashboards.app import PAGES
-from kvlens.dashboards.queries import table_rows
+from kvlens.dashboards.read import table_rows
 
 pytestmark = pytest.mark.slow
 

@@ -18,8 +18,9 @@ from kvlens.config import load_config
 from kvlens.dashboards.attribution import TAIL, attribute, round_to_sum
 from kvlens.dashboards.decisions import decide
 from kvlens.dashboards.provenance import origins
+from kvlens.dashboards.queries import headlines
+from kvlens.dashboards.read import Window, open_db
 from kvlens.dashboards.report import build_report
-from kvlens.dashboards.report_data import Window, headlines, open_db
 from kvlens.dashboards.worth import price_of
 from kvlens.errors import ConfigError
 from kvlens.models import get_model
@@ -179,8 +180,7 @@ def test_the_dashboard_overview_leads_with_the_same_decision(two_days: Path,
 def test_has_rows_leaves_no_result_open(con: duckdb.DuckDBPyConnection) -> None:
     # A fetchone() left the EXISTS result open: the next relation on the connection then failed
     # with "connection has an unfinished result" (the first screen reads through both APIs).
-    from kvlens.dashboards.queries import table_columns
-    from kvlens.dashboards.report_data import has_rows
+    from kvlens.dashboards.read import has_rows, table_columns
 
     assert has_rows(con, "block_outcomes") and not has_rows(con, "hygiene")
     assert "provenance" in table_columns(con, "scenarios")

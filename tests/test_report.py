@@ -124,13 +124,12 @@ def test_day_over_day_compares_the_window_before(tiny_db: Path) -> None:
 
 def test_headline_ratios_match_the_dashboards(tiny_db: Path) -> None:
     from kvlens.dashboards import queries
-    from kvlens.dashboards.report_data import Window as ReportWindow
-    from kvlens.dashboards.report_data import headlines, open_db
+    from kvlens.dashboards.read import Window, open_db
 
     con = open_db(tiny_db)
     try:
-        mine = headlines(con, ["a", "b"], ReportWindow(0, 2**62))
-        theirs = queries.hit_ratios(con, queries.Window("b"))
+        mine = queries.headlines(con, ["a", "b"], Window(0, 2**62))
+        theirs = queries.hit_ratios(con, "b", Window())
     finally:
         con.close()
     assert mine["b"].token_hit_ratio == pytest.approx(theirs["token_hit_ratio"]) == pytest.approx(100 / 350)

@@ -187,7 +187,7 @@ def test_the_analysis_dbs_lake_views_read_and_nothing_else(demo_workdir: Path, t
 
 
 def test_the_dashboard_connection_is_locked(demo_workdir: Path) -> None:
-    from kvlens.dashboards.report_data import open_db
+    from kvlens.dashboards.read import open_db
 
     con = open_db(demo_workdir / "kvlens.duckdb")
     try:

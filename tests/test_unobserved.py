@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from kvlens.cli import cli
 from kvlens.dashboards.charts import OUTCOME_COLORS
-from kvlens.dashboards.queries import Window, hit_ratios
+from kvlens.dashboards.queries import hit_ratios
+from kvlens.dashboards.read import Window
 from kvlens.dashboards.report import build_report
 from kvlens.sample_data import MOONCAKE_CONVERSATION
 from kvlens.schema import Outcome
@@ -67,7 +68,7 @@ def test_the_report_and_the_dashboard_say_residency_is_unknown(conv_db: Path) ->
     assert "An unbounded cache could have served 37.3%" in text and "modelled" in text
     con = duckdb.connect(str(conv_db), read_only=True)
     try:
-        ratios = hit_ratios(con, Window("conv", None, None))
+        ratios = hit_ratios(con, "conv", Window(None, None))
     finally:
         con.close()
     assert ratios["token_hit_ratio"] is None and ratios["byte_hit_ratio"] is None  # n/a, not 0%

@@ -8,12 +8,13 @@ import streamlit as st
 from kvlens.dashboards import analyses, charts
 from kvlens.dashboards.common import (
     Context,
+    empty,
     fmt_bytes,
     fmt_ratio,
-    has_rows,
     no_rows,
     provenance_note,
     show_chart,
+    windowed,
 )
 
 __all__ = ["capacity", "flows"]
@@ -58,8 +59,7 @@ def capacity(ctx: Context) -> None:
     st.caption("Curves and capacity cover the whole scenario: the time window does not apply here. The "
                "curves are modelled: an LRU of full-block slots replayed over the scenario's full blocks; "
                "their ratios are of those blocks (partial tails are never cached).")
-    if not has_rows(ctx, "mrc"):
-        no_rows(ctx, "mrc")
+    if empty(ctx, "mrc"):
         return
     streams = analyses.mrc_streams(ctx.cur, ctx.scenario)
     stream = st.selectbox("Stream", streams, key="mrc_stream") if len(streams) > 1 else streams[0]
@@ -112,12 +112,8 @@ def flows(ctx: Context) -> None:
     """Bytes read, written and copied between replicas per window; never-read bytes."""
     st.header(f"Flows: {ctx.scenario}")
     provenance_note(ctx)
-    if not has_rows(ctx, "flows"):
-        no_rows(ctx, "flows")
-        return
-    frame = analyses.flows(ctx.cur, ctx.window)
-    if frame.height == 0:
-        st.info("no flows in this time window")
+    frame = windowed(ctx, "flows", analyses.flows, "no flows")
+    if frame is None:
         return
     long = analyses.flows_long(frame)
     _flow_metrics(frame, long)
@@ -134,12 +130,8 @@ def flows(ctx: Context) -> None:
 
 def _fanout(ctx: Context) -> None:
     st.subheader("Fan-out")
-    if not has_rows(ctx, "fanout"):
-        no_rows(ctx, "fanout")
-        return
-    frame = analyses.fanout(ctx.cur, ctx.window)
-    if frame.height == 0:
-        st.info("no fan-out windows in this time window")
+    frame = windowed(ctx, "fanout", analyses.fanout, "no fan-out windows")
+    if frame is None:
         return
     show_chart(charts.fanout_chart(frame))
     st.dataframe(frame, hide_index=True)

@@ -15,7 +15,8 @@ from kvlens.dashboards.common import Context
 from kvlens.dashboards.decisions import Decisions, decide
 from kvlens.dashboards.formatting import fmt_int, fmt_pct, fmt_points
 from kvlens.dashboards.provenance import origins
-from kvlens.dashboards.report_data import Window, headlines, latest_arrivals
+from kvlens.dashboards.queries import headlines, scenario_span_ns
+from kvlens.dashboards.read import Window
 from kvlens.dashboards.report_lead import change_sentence
 
 __all__ = ["PRICE_ENV", "decision", "decision_window"]
@@ -25,18 +26,15 @@ DAY_NS = 86_400 * 10**9
 PAGE_TITLES = {"whatif": "What-if", "prefixes": "Prefixes", "capacity": "Capacity", "hygiene": "Hygiene",
                "misses": "Misses"}
 
-SPAN_SQL = "SELECT min(arrival_ns), max(arrival_ns) FROM request_ledger WHERE scenario = ?"
-
 
 def decision_window(ctx: Context) -> tuple[Window, str] | None:
     """The half-open window the first part describes, and how it was chosen, in words."""
-    w = ctx.window
-    if w.start_ns is not None and w.end_ns is not None:
-        return Window(w.start_ns, w.end_ns + 1), "the selected window against the one before it"
-    end = latest_arrivals(ctx.cur, [ctx.scenario]).get(ctx.scenario)
-    ((first, _),) = ctx.cur.execute(SPAN_SQL, [ctx.scenario]).fetchall()
-    if end is None or first is None:
+    if not ctx.window.whole:
+        return ctx.window, "the selected window against the one before it"
+    span = scenario_span_ns(ctx.cur, ctx.scenario)
+    if span is None:
         return None
+    first, end = span[0], span[1] + 1  # just after the latest arrival, as the report's window ends
     if end - first >= 2 * DAY_NS:
         return Window(end - DAY_NS, end), "the last 24 hours against the 24 before"
     half = max((end - first + 1) // 2, 1)  # rounded up: the window before starts at or before the first

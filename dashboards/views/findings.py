@@ -6,7 +6,7 @@ import polars as pl
 import streamlit as st
 
 from kvlens.dashboards import analyses, charts
-from kvlens.dashboards.common import Context, fmt_bytes, has_rows, no_rows, provenance_note, show_chart
+from kvlens.dashboards.common import Context, empty, fmt_bytes, provenance_note, show_chart, windowed
 
 __all__ = ["audit", "hygiene", "prefixes", "probe"]
 
@@ -18,8 +18,7 @@ def prefixes(ctx: Context) -> None:
     st.header(f"Prefixes: {ctx.scenario}")
     provenance_note(ctx)
     st.caption("The ranking covers the whole scenario: the time window does not apply here.")
-    if not has_rows(ctx, "prefix_ranking"):
-        no_rows(ctx, "prefix_ranking")
+    if empty(ctx, "prefix_ranking"):
         return
     ranking = analyses.prefix_ranking(ctx.cur, ctx.scenario)
     counts = ranking.group_by("recommendation").len().sort("len", descending=True)
@@ -66,8 +65,7 @@ def audit(ctx: Context) -> None:
     """Isolation and compatibility findings: cross-tenant reuse, keys that cannot match."""
     st.header(f"Audit: {ctx.scenario}")
     st.caption("Findings cover the whole scenario: the time window does not apply here.")
-    if not has_rows(ctx, "isolation_findings"):
-        no_rows(ctx, "isolation_findings")
+    if empty(ctx, "isolation_findings"):
         return
     findings = analyses.isolation_findings(ctx.cur, ctx.scenario)
     kinds = (
@@ -86,21 +84,17 @@ def hygiene(ctx: Context) -> None:
     """Requests whose chains split early before repeated content: tokens lost, where, who."""
     st.header(f"Hygiene: {ctx.scenario}")
     provenance_note(ctx)
-    if not has_rows(ctx, "hygiene"):
-        no_rows(ctx, "hygiene")
-        return
-    by_split = analyses.hygiene_by_split(ctx.cur, ctx.window)
-    if by_split.height == 0:
-        st.info("no hygiene findings in this time window")
+    by_split = windowed(ctx, "hygiene", analyses.hygiene_by_split, "no hygiene findings")
+    if by_split is None:
         return
     a, b, c = st.columns(3)
     a.metric("Requests affected", f"{by_split['requests'].sum():,}")
     b.metric("Tokens lost", f"{by_split['lost_tokens'].sum():,}")
     c.metric("KV lost", fmt_bytes(by_split["lost_bytes"].sum()))
     show_chart(charts.hygiene_chart(by_split))
-    groups = analyses.hygiene_offenders(ctx.cur, ctx.window)
+    groups = analyses.hygiene_offenders(ctx.cur, ctx.scenario, ctx.window)
     if groups is not None and groups.height:
         st.subheader("Offender groups (same repeated content after the same prefix)")
         st.dataframe(groups, hide_index=True)
     st.subheader("Top requests by tokens lost")
-    st.dataframe(analyses.hygiene_requests(ctx.cur, ctx.window), hide_index=True)
+    st.dataframe(analyses.hygiene_requests(ctx.cur, ctx.scenario, ctx.window), hide_index=True)

@@ -8,8 +8,8 @@ import streamlit as st
 from kvlens.dashboards import analyses, charts
 from kvlens.dashboards.common import (
     Context,
+    empty,
     fmt_ratio,
-    has_rows,
     label,
     no_rows,
     origin,
@@ -17,7 +17,7 @@ from kvlens.dashboards.common import (
     show_chart,
 )
 from kvlens.dashboards.provenance import origins
-from kvlens.dashboards.queries import Window, hit_ratios
+from kvlens.dashboards.queries import hit_ratios, scenario_ledgers, scenario_tails
 
 __all__ = ["latency", "whatif"]
 
@@ -38,8 +38,7 @@ def latency(ctx: Context) -> None:
     """TTFT percentiles per prefix class, over time, and per replica; tails above 5x flagged."""
     st.header(f"Latency: {ctx.scenario}")
     provenance_note(ctx)
-    if not has_rows(ctx, "latency_tails"):
-        no_rows(ctx, "latency_tails")
+    if empty(ctx, "latency_tails"):
         return
     found = origin(ctx)
     by_class = analyses.latency_by_class(ctx.cur, ctx.scenario)
@@ -56,7 +55,7 @@ def latency(ctx: Context) -> None:
                    f"{found.ttft_label or 'unlabelled'}.")
         show_chart(charts.latency_class_chart(_percentiles_long(by_class, "prefix_class")))
         st.dataframe(_flagged(by_class), hide_index=True)
-    trend = analyses.latency_trend(ctx.cur, ctx.window)
+    trend = analyses.latency_trend(ctx.cur, ctx.scenario, ctx.window)
     if trend.height:
         show_chart(charts.latency_trend_chart(trend))
     else:
@@ -69,12 +68,12 @@ def _ratio_metrics(ctx: Context, names: list[str]) -> pl.DataFrame:
     rows = []
     found = origins(ctx.cur, names)
     for name in names:
-        ratios = hit_ratios(ctx.cur, Window(name, ctx.window.start_ns, ctx.window.end_ns))
+        ratios = hit_ratios(ctx.cur, name, ctx.window)
         rows.append(
             {
                 "scenario": name,
                 "figures": found[name].label,
-                "requests": ratios.get("requests"),
+                "requests": ratios.get("requests", 0),  # a scenario with no request in the window: 0
                 "token_hit_ratio": ratios.get("token_hit_ratio"),
                 "byte_hit_ratio": ratios.get("byte_hit_ratio"),
             }
@@ -115,7 +114,7 @@ def whatif(ctx: Context) -> None:
     for col, row in zip(st.columns(len(names)), ratios.iter_rows(named=True), strict=True):
         col.metric(label(f"{row['scenario']}: token hit ratio", found[row["scenario"]]),
                    fmt_ratio(row["token_hit_ratio"]))
-    ledgers = analyses.scenario_ledgers(ctx.cur, names, ctx.window)
+    ledgers = scenario_ledgers(ctx.cur, names, ctx.window)
     # Streamlit fits the legend inside the chart's height: leave room for the ten outcomes.
     show_chart(charts.ledger_share_chart(ledgers).properties(height=max(260, 40 * len(names))))
     table = ledgers.pivot(on="outcome", index="scenario", values="tokens").fill_null(0)
@@ -127,7 +126,7 @@ def whatif(ctx: Context) -> None:
         },
     )
     st.subheader("TTFT tails")
-    tails = analyses.scenario_tails(ctx.cur, names)
+    tails = scenario_tails(ctx.cur, names)
     if tails.height:
         ttft = {n: o.ttft_label for n, o in found.items()}
         label_of = pl.col("scenario").replace_strict(ttft, default=None, return_dtype=pl.String)

@@ -8,17 +8,15 @@ import streamlit as st
 from kvlens.dashboards import analyses, charts
 from kvlens.dashboards.common import (
     Context,
+    empty,
     fmt_bytes,
     fmt_ratio,
-    has_rows,
     label,
-    no_rows,
     origin,
     provenance_note,
     show_chart,
 )
 from kvlens.dashboards.queries import (
-    HIT_OUTCOMES,
     hit_ratios,
     ledger_by_outcome,
     pick_bucket_ns,
@@ -26,7 +24,9 @@ from kvlens.dashboards.queries import (
     scenario_span_ns,
     trend,
 )
+from kvlens.dashboards.read import has_rows
 from kvlens.dashboards.views.decision import decision
+from kvlens.schema import HIT_OUTCOMES
 
 __all__ = ["misses", "overview"]
 
@@ -41,8 +41,9 @@ def _outcome_totals(ledger: pl.DataFrame) -> pl.DataFrame:
 
 
 def _headline(ctx: Context) -> None:
-    ratios = hit_ratios(ctx.cur, ctx.window)
-    worst = analyses.worst_tail(ctx.cur, ctx.window) if has_rows(ctx, "latency_tails") else {}
+    ratios = hit_ratios(ctx.cur, ctx.scenario, ctx.window)
+    tails = has_rows(ctx.cur, "latency_tails", ctx.scenario)
+    worst = analyses.worst_tail(ctx.cur, ctx.scenario, ctx.window) if tails else {}
     found = origin(ctx)
     per_token = found.kv_bytes_per_token
     geometry = f"{found.model}, {per_token:,} B/token" if per_token else "unrecorded"
@@ -86,22 +87,21 @@ def overview(ctx: Context) -> None:
     """Hit ratios, the ledger by outcome per replica, the trend over time, the worst tail."""
     st.header(f"Overview: {ctx.scenario}")
     provenance_note(ctx)
-    if not has_rows(ctx, "miss_ledger"):
-        no_rows(ctx, "miss_ledger")
+    if empty(ctx, "miss_ledger"):
         return
     decision(ctx)  # the report's first screen, in its order; the whole selected range follows
     st.subheader("The selected range")
     _headline(ctx)
-    ledger = ledger_by_outcome(ctx.cur, ctx.window)
+    ledger = ledger_by_outcome(ctx.cur, ctx.scenario, ctx.window)
     show_chart(charts.ledger_chart(ledger))
     span = scenario_span_ns(ctx.cur, ctx.scenario)
     if span is not None:
         lo = ctx.window.start_ns if ctx.window.start_ns is not None else span[0]
-        hi = ctx.window.end_ns if ctx.window.end_ns is not None else span[1]
+        hi = ctx.window.end_ns - 1 if ctx.window.end_ns is not None else span[1]  # the last ns in it
         bucket_ns = pick_bucket_ns(max(hi - lo, 1))
         show_chart(
             charts.hit_ratio_trend_chart(
-                trend(ctx.cur, ctx.window, bucket_ns),
+                trend(ctx.cur, ctx.scenario, ctx.window, bucket_ns),
                 title=f"How did the token hit ratio move ({bucket_ns // 60_000_000_000} min buckets)?",
             )
         )
@@ -111,9 +111,8 @@ def overview(ctx: Context) -> None:
         hide_index=True,
         column_config={"share": st.column_config.NumberColumn(format="percent")},
     )
-    if not has_rows(ctx, "latency_tails"):
-        no_rows(ctx, "latency_tails")
-    if has_rows(ctx, "reconciliation"):  # only where the engines' /metrics were scraped
+    empty(ctx, "latency_tails")  # says so when it is
+    if has_rows(ctx.cur, "reconciliation", ctx.scenario):  # only where the engines' /metrics were scraped
         _reconciliation(ctx)
 
 
@@ -133,10 +132,9 @@ def misses(ctx: Context) -> None:
     """Drill from an outcome to the replicas, to the requests, to the blocks behind it."""
     st.header(f"Misses: {ctx.scenario}")
     provenance_note(ctx)
-    if not has_rows(ctx, "block_outcomes"):
-        no_rows(ctx, "block_outcomes")
+    if empty(ctx, "block_outcomes"):
         return
-    totals = _outcome_totals(ledger_by_outcome(ctx.cur, ctx.window))
+    totals = _outcome_totals(ledger_by_outcome(ctx.cur, ctx.scenario, ctx.window))
     misses_only = totals.filter(~pl.col("outcome").is_in(HIT_OUTCOMES) & (pl.col("tokens") > 0))
     if misses_only.height == 0:
         st.success("no missed blocks in this window")
@@ -147,12 +145,12 @@ def misses(ctx: Context) -> None:
         column_config={"share": st.column_config.NumberColumn("share of tokens", format="percent")},
     )
     outcome = st.selectbox("Outcome", misses_only["outcome"].to_list(), key="miss_outcome")
-    replicas = analyses.outcome_replicas(ctx.cur, ctx.window, outcome)
+    replicas = analyses.outcome_replicas(ctx.cur, ctx.scenario, ctx.window, outcome)
     show_chart(charts.replica_bar_chart(replicas, title=f"Which replicas had the {outcome} tokens?"))
     if replicas.height == 0:
         return
     replica = st.selectbox("Replica", replicas["replica"].to_list(), key="miss_replica")
-    requests = analyses.outcome_requests(ctx.cur, ctx.window, outcome, replica)
+    requests = analyses.outcome_requests(ctx.cur, ctx.scenario, ctx.window, outcome, replica)
     st.subheader(f"Requests on {replica} with {outcome} blocks (top {requests.height} by tokens)")
     st.dataframe(requests, hide_index=True)
     if requests.height == 0:
