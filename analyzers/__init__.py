@@ -44,13 +44,19 @@ __all__ = [
 SHARDS_RATE = 0.01
 
 
+def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
+    """The rows of lake table ``table`` that belong to ``scenario``: the one scope every analysis reads."""
+    return con.table(table).filter(duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
+
+
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,
                      *, cache_tokens: int | None = None, join: Sequence[str] = (),
                      metrics_from: str | None = None,
                      model_source: str = "given") -> Iterator[tuple[str, pl.DataFrame]]:
     """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs.
 
-    ``cache_tokens``: the KV cache the scenario's requests are served from, in tokens (all
+    The lake relations are scoped to ``scenario`` here, once; the analyses read only what they are
+    given. ``cache_tokens``: the KV cache the scenario's requests are served from, in tokens (all
     replicas together); with it, the ``capacity`` row places C_eff on the curve. ``join``:
     scenarios whose requests fill this one's missing columns by request id (span timings,
     reported cached tokens); the ledger then reads the joined requests. ``metrics_from``: the
@@ -60,21 +66,21 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     assumed because nothing named one), so every byte figure can say what it assumed.
     """
     per_token = model.kv_bytes_per_token()
-    requests = con.table("requests")
+    group_rates = group_bytes_per_token(model)
+    requests = scenario_rows(con, "requests", scenario)
+    blocks = scenario_rows(con, "request_blocks", scenario)
+    events = scenario_rows(con, "kv_events", scenario)
+    transfers = scenario_rows(con, "transfers", scenario)
+    samples = scenario_rows(con, "metric_samples", scenario)
     if join:
-        joined, report = join_sources(requests=requests, scenario=scenario, sources=join)
+        joined, report = join_sources(requests=con.table("requests"), scenario=scenario, sources=join)
         yield "request_sources", report
-        con.register("joined_requests", joined)
-        requests = con.view("joined_requests")
-    outcomes = block_outcomes(
-        requests=requests, request_blocks=con.table("request_blocks"),
-        kv_events=con.table("kv_events"), transfers=con.table("transfers"),
-        scenario=scenario, bytes_per_token=per_token, group_bytes_per_token=group_bytes_per_token(model))
-    gaps, clears = event_gaps(metric_samples=con.table("metric_samples"), kv_events=con.table("kv_events"),
-                              scenario=scenario)
-    per_request = mark_incomplete(
-        request_ledger(block_outcomes=outcomes, requests=requests, scenario=scenario), gaps, clears)
-    origin = scenario_provenance(requests=requests, scenario=scenario, simulations=con.table("simulations"))
+        requests = con.from_arrow(joined.to_arrow())  # a relation on con, under no catalog name
+    outcomes = block_outcomes(requests=requests, request_blocks=blocks, kv_events=events, transfers=transfers,
+                              scenario=scenario, bytes_per_token=per_token, group_bytes_per_token=group_rates)
+    gaps, clears = event_gaps(metric_samples=samples, kv_events=events)
+    per_request = mark_incomplete(request_ledger(block_outcomes=outcomes, requests=requests), gaps, clears)
+    origin = scenario_provenance(requests=requests, simulations=scenario_rows(con, "simulations", scenario))
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
         "requests": [per_request.height], "needed_blocks": [outcomes.height],
@@ -84,45 +90,38 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "block_outcomes", outcomes
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes, incomplete=per_request)
     yield "request_ledger", per_request
-    yield "hygiene", hygiene(request_blocks=con.table("request_blocks"), scenario=scenario,
-                             bytes_per_token=per_token)
+    yield "hygiene", hygiene(request_blocks=blocks, scenario=scenario, bytes_per_token=per_token)
     yield "isolation_findings", isolation_findings(
-        requests=requests, request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
-        block_outcomes=outcomes, scenario=scenario, bytes_per_token=per_token)
-    yield "flows", flows(block_outcomes=outcomes, request_ledger=per_request,
-                         kv_events=con.table("kv_events"), transfers=con.table("transfers"),
-                         scenario=scenario, bytes_per_token=per_token)
+        requests=requests, request_blocks=blocks, kv_events=events, block_outcomes=outcomes,
+        scenario=scenario, bytes_per_token=per_token)
+    yield "flows", flows(block_outcomes=outcomes, request_ledger=per_request, kv_events=events,
+                         transfers=transfers, scenario=scenario, bytes_per_token=per_token)
     yield "fanout", fanout(block_outcomes=outcomes)
     yield "latency_tails", latency_tails(request_ledger=per_request)
-    yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes,
-                           kv_events=con.table("kv_events"), scenario=scenario)
+    yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes, kv_events=events,
+                           scenario=scenario)
     costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
     yield "crossover", crossover(costs=costs, scenario=scenario)
     yield "prefix_ranking", prefix_ranking(block_outcomes=outcomes, costs=costs, scenario=scenario)
-    metrics_scenario = metrics_from or scenario
-    ((scraped,),) = con.execute("SELECT count(*) FROM metric_samples WHERE scenario = ?",
-                                [metrics_scenario]).fetchall()
+    metrics = scenario_rows(con, "metric_samples", metrics_from) if metrics_from else samples
+    ((scraped,),) = metrics.aggregate("count(*)").fetchall()
     if scraped:
-        yield "reconciliation", reconcile(metric_samples=con.table("metric_samples"),
-                                          request_ledger=per_request, scenario=scenario,
-                                          metrics_scenario=metrics_scenario)
+        yield "reconciliation", reconcile(metric_samples=metrics, request_ledger=per_request,
+                                          scenario=scenario)
     yield "tier_reconciliation", tier_reconciliation(
-        block_outcomes=outcomes, requests=requests, metric_samples=con.table("metric_samples"),
-        scenario=scenario, metrics_scenario=metrics_scenario)
-    yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=con.table("kv_events"),
-                                     scenario=scenario, bytes_per_token=per_token,
-                                     group_bytes_per_token=group_bytes_per_token(model))
-    stream = access_stream(con.table("request_blocks"), scenario, per_token, requests)
-    yield "reuse", reuse(request_blocks=con.table("request_blocks"), kv_events=con.table("kv_events"),
-                         bytes_per_token=per_token, scenario=scenario, stream=stream)
-    curve = mrc(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
-                scenario=scenario, sample_rate=SHARDS_RATE, stream=stream)
+        block_outcomes=outcomes, requests=requests, metric_samples=metrics, scenario=scenario)
+    yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
+                                     bytes_per_token=per_token, group_bytes_per_token=group_rates)
+    stream = access_stream(blocks, scenario, per_token, requests)
+    yield "reuse", reuse(request_blocks=blocks, kv_events=events, bytes_per_token=per_token,
+                         scenario=scenario, stream=stream)
+    curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
+                sample_rate=SHARDS_RATE, stream=stream)
     yield "mrc", curve
-    yield "ttl_coverage", ttl_coverage(request_blocks=con.table("request_blocks"), bytes_per_token=per_token,
-                                       scenario=scenario, stream=stream)
+    yield "ttl_coverage", ttl_coverage(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
+                                       stream=stream)
     if cache_tokens is not None:
-        ((block,),) = con.execute("SELECT max(block_size_tokens) FROM request_blocks WHERE scenario = ?",
-                                  [scenario]).fetchall()
+        ((block,),) = blocks.aggregate("max(block_size_tokens)").fetchall()
         yield "capacity", effective_capacity(
             mrc=curve, physical_bytes=cache_tokens * per_token, bytes_per_token=per_token, scenario=scenario,
-            metric_samples=con.table("metric_samples"), block_size_tokens=int(block or 16))
+            metric_samples=samples, block_size_tokens=int(block or 16))

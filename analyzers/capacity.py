@@ -36,14 +36,11 @@ _RUNNING_METRICS = ("vllm:num_requests_running", "sglang:num_running_reqs")
 _NS_PER_S = 1_000_000_000
 
 
-def _metric_mean(metric_samples: duckdb.DuckDBPyRelation | None, names: Sequence[str],
-                 scenario: str) -> float | None:
+def _metric_mean(metric_samples: duckdb.DuckDBPyRelation | None, names: Sequence[str]) -> float | None:
     if metric_samples is None:
         return None
-    scen = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
     for name in names:
-        rel = metric_samples.filter(scen).filter(
-            duckdb.ColumnExpression("name") == duckdb.ConstantExpression(name))
+        rel = metric_samples.filter(duckdb.ColumnExpression("name") == duckdb.ConstantExpression(name))
         rows = rel.aggregate("avg(value) AS v").fetchall()
         if rows and rows[0][0] is not None:
             return float(rows[0][0])
@@ -64,12 +61,13 @@ def effective_capacity(*, mrc: pl.DataFrame, physical_bytes: int, bytes_per_toke
     Columns: scenario, c_physical_bytes, c_active_decode_bytes, c_reserved_bytes,
     c_fragmentation_bytes, c_eff_bytes, active_source (kv_cache_usage_perc | running_requests |
     none), hit_ratio_bytes_at_eff, hit_ratio_bytes_at_2x_eff, gain_from_2x_ratio.
-    ``mrc`` is a frame of table `mrc` (rows of other scenarios, streams and methods are ignored).
+    ``mrc`` is a frame of table `mrc` (rows of other scenarios, streams and methods are ignored);
+    ``metric_samples``, when given, the scenario's rows.
     """
     if physical_bytes <= 0:
         raise ConfigError(f"physical capacity must be positive, got {physical_bytes} bytes")
-    usage = _metric_mean(metric_samples, _USAGE_METRICS, scenario)
-    running = _metric_mean(metric_samples, _RUNNING_METRICS, scenario) or 0.0
+    usage = _metric_mean(metric_samples, _USAGE_METRICS)
+    running = _metric_mean(metric_samples, _RUNNING_METRICS) or 0.0
     if usage is not None:
         active, source = usage * physical_bytes, "kv_cache_usage_perc"
     elif running and mean_context_tokens:

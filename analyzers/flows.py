@@ -46,11 +46,6 @@ _SUMS = ["read_bytes", "write_bytes", "replica_bytes", "never_read_bytes", "read
 _KEY = ["loc", "cls", "block_hash"]
 
 
-def _scenario(rel: duckdb.DuckDBPyRelation, scenario: str, *cols: str) -> pl.DataFrame:
-    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    return rel.filter(cond).select(*cols).pl()
-
-
 def _asof(left: pl.DataFrame, right: pl.DataFrame, on: tuple[str, str], by: str | list[str],
           strategy: Literal["backward", "forward"]) -> pl.DataFrame:
     # The callers sort both sides on the join key; polars cannot check that within groups.
@@ -63,10 +58,8 @@ def _cls(medium: pl.Expr) -> pl.Expr:
     return pl.when(medium.is_in(_LOWER)).then(1).otherwise(0).cast(pl.Int8)
 
 
-def _events(kv_events: duckdb.DuckDBPyRelation, scenario: str, bytes_per_token: int,
-            block_tokens: int) -> pl.DataFrame:
-    ev = _scenario(kv_events, scenario, "ts_ns", "seq", "replica", "kind", "block_hash", "medium",
-                   "block_tokens")
+def _events(kv_events: duckdb.DuckDBPyRelation, bytes_per_token: int, block_tokens: int) -> pl.DataFrame:
+    ev = kv_events.select("ts_ns", "seq", "replica", "kind", "block_hash", "medium", "block_tokens").pl()
     ev = ev.with_row_index("ord").sort("ts_ns", "seq", "ord").with_row_index("n")
     medium = pl.col("medium").cast(pl.Utf8)
     nbytes = pl.col("block_tokens").fill_null(block_tokens).cast(pl.Int64) * bytes_per_token
@@ -98,15 +91,15 @@ def _residencies(ev: pl.DataFrame) -> pl.DataFrame:
     return stores.select("n", "ts_ns", "loc", "tier", "cls", "block_hash", "bytes", ended=ended)
 
 
-def _loads(transfers: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
-    xfer = _scenario(transfers, scenario, "request_id", "block_hash", "replica", "origin", "status")
+def _loads(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    xfer = transfers.select("request_id", "block_hash", "replica", "origin", "status").pl()
     return (xfer.filter((pl.col("status").cast(pl.Utf8) == "ok") & pl.col("block_hash").is_not_null())
             .select("request_id", block_hash=pl.col("block_hash").cast(pl.UInt64),
                     receiver=pl.col("replica").cast(pl.Utf8), origin=pl.col("origin").cast(pl.Utf8)))
 
 
 def _reads(block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
-           transfers: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
+           transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
     queue_ns = (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64)
     lookup = request_ledger.select("request_id", lookup_ns=pl.col("arrival_ns") + queue_ns)
     hits = (block_outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(HIT_OUTCOMES))
@@ -115,7 +108,7 @@ def _reads(block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
             .join(lookup.unique("request_id"), on="request_id", how="left")
             .with_columns(pl.col("lookup_ns").fill_null(pl.col("arrival_ns"))))
     remote = (hits.filter(pl.col("outcome") == Outcome.HIT_REMOTE.value)
-              .join(_loads(transfers, scenario), on=["request_id", "block_hash"], how="left")
+              .join(_loads(transfers), on=["request_id", "block_hash"], how="left")
               .filter(pl.col("receiver").is_null() | (pl.col("receiver") == pl.col("replica")))
               .unique(["request_id", "block_hash", "position"], keep="first"))
     origin = pl.col("origin").fill_null(Medium.POOL.value)
@@ -142,8 +135,8 @@ def _match(reads: pl.DataFrame, stores: pl.DataFrame) -> pl.DataFrame:
     return back.with_columns(store_n=pl.col("store_n").fill_null(fwd["store_n"]), tier=tier)
 
 
-def _copies(transfers: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
-    x = _scenario(transfers, scenario, "ts_ns", "replica", "origin", "status", "bytes")
+def _copies(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    x = transfers.select("ts_ns", "replica", "origin", "status", "bytes").pl()
     own_tier = pl.col("origin").cast(pl.Utf8).is_in(_LOCAL_TIERS)
     x = x.filter((pl.col("status").cast(pl.Utf8) == "ok") & ~own_tier)
     loc = pl.col("replica").cast(pl.Utf8).fill_null("")
@@ -171,6 +164,8 @@ def flows(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame, kv_even
           window_ns: int = DEFAULT_WINDOW_NS) -> pl.DataFrame:
     """Bytes read, written, copied and never read, per location, window and tier of ``scenario``.
 
+    ``kv_events`` and ``transfers`` are the scenario's rows; the frames its ledger's.
+
     Columns: scenario, replica (a replica, or ``pool``), window_start_ns (ns), tier (a
     Medium value), read_bytes, write_bytes, replica_bytes (copied in from another location),
     never_read_bytes (written in the window, evicted or cleared unread), read_unwritten_bytes
@@ -181,10 +176,10 @@ def flows(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame, kv_even
         raise ValueError(f"window_ns must be positive, got {window_ns}")
     typical = block_outcomes["tokens"].median() if block_outcomes.height else None
     typical_tokens = int(typical) if isinstance(typical, int | float) else 16
-    stores = _residencies(_events(kv_events, scenario, bytes_per_token, typical_tokens))
-    reads = _match(_reads(block_outcomes, request_ledger, transfers, scenario), stores)
+    stores = _residencies(_events(kv_events, bytes_per_token, typical_tokens))
+    reads = _match(_reads(block_outcomes, request_ledger, transfers), stores)
     stores = stores.with_columns(read=pl.col("n").is_in(reads["store_n"].drop_nulls().unique().implode()))
-    frame = pl.concat([*_parts(reads, stores), _copies(transfers, scenario)], how="diagonal_relaxed")
+    frame = pl.concat([*_parts(reads, stores), _copies(transfers)], how="diagonal_relaxed")
     frame = frame.with_columns([pl.col(c).fill_null(0).cast(pl.Int64) for c in _SUMS])
     window = (pl.col("ts_ns") // window_ns) * window_ns
     out = (frame.group_by(replica="loc", window_start_ns=window, tier="tier")

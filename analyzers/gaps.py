@@ -23,14 +23,6 @@ __all__ = ["GAP_METRIC", "event_gaps", "mark_incomplete"]
 
 GAP_METRIC = "kvlens_collector_gap_batches"  # collector/live.py writes it (analyzers do not import it)
 
-INCOMPLETE_SQL = """
-SELECT l.request_id, bool_or(g.start_ns <= l.arrival_ns AND NOT EXISTS (
-           SELECT 1 FROM clears c
-           WHERE c.replica = g.replica AND c.ts_ns > g.start_ns AND c.ts_ns <= l.arrival_ns)) AS incomplete
-FROM ledger l JOIN gaps g ON g.replica = l.replica
-GROUP BY l.request_id
-"""
-
 
 def _col(name: str) -> duckdb.Expression:
     return duckdb.ColumnExpression(name)
@@ -57,29 +49,27 @@ def _labels(value: object) -> dict[str, str]:
     return dict(value) if isinstance(value, dict) else {}
 
 
-def event_gaps(*, metric_samples: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPyRelation,
-               scenario: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(gaps: replica, seen_ns, batches, start_ns; clears: replica, ts_ns) of ``scenario``.
+def event_gaps(*, metric_samples: duckdb.DuckDBPyRelation,
+               kv_events: duckdb.DuckDBPyRelation) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(gaps: replica, seen_ns, batches, start_ns; clears: replica, ts_ns) of a scenario's rows.
 
     Gap rows are few (one per unfillable gap), so each looks up its start on its own.
     """
-    in_scenario = _col("scenario") == _val(scenario)
-    rows = (metric_samples.filter(in_scenario & (_col("name") == _val(GAP_METRIC))
-                                  & _col("replica").isnotnull())
+    rows = (metric_samples.filter((_col("name") == _val(GAP_METRIC)) & _col("replica").isnotnull())
             .select("replica", "ts_ns", "value", "labels").fetchall())
-    events = kv_events.filter(in_scenario)
     gaps = []
     for replica, seen_ns, batches, labels in rows:
         first = _labels(labels).get("from_seq", "")
         before = int(first) - 1 if first.isdigit() else None
-        start = (_latest_before(events, replica, seen_ns, before) if before is not None else None) \
-            or _latest_before(events, replica, seen_ns, None) or seen_ns
+        start = (_latest_before(kv_events, replica, seen_ns, before) if before is not None else None) \
+            or _latest_before(kv_events, replica, seen_ns, None) or seen_ns
         gaps.append({"replica": replica, "seen_ns": seen_ns, "batches": batches, "start_ns": start})
     schema = {"replica": pl.String, "seen_ns": pl.Int64, "batches": pl.Float64, "start_ns": pl.Int64}
     clears = pl.DataFrame(schema={"replica": pl.String, "ts_ns": pl.Int64})
     if gaps:
-        clears = pl.DataFrame(events.filter((_col("kind") == _val("cleared")) & _col("replica").isnotnull())
-                              .select("replica", "ts_ns").fetchall(), schema=clears.schema, orient="row")
+        cleared = kv_events.filter((_col("kind") == _val("cleared")) & _col("replica").isnotnull())
+        rows = cleared.select("replica", "ts_ns").fetchall()
+        clears = pl.DataFrame(rows, schema=clears.schema, orient="row")
     return pl.DataFrame(gaps, schema=schema), clears
 
 
@@ -87,10 +77,14 @@ def mark_incomplete(request_ledger: pl.DataFrame, gaps: pl.DataFrame, clears: pl
     """``request_ledger`` with ``events_incomplete`` (module docstring), its rows in their order."""
     if gaps.is_empty():
         return request_ledger.with_columns(events_incomplete=pl.lit(False))
-    con = duckdb.connect()
-    con.register("ledger", request_ledger.select("request_id", "replica", "arrival_ns"))
-    con.register("gaps", gaps)
-    con.register("clears", clears)
-    flags = con.sql(INCOMPLETE_SQL).pl()
+    # No clear in (start, arrival]: the replica's first clear after the gap's start, if any, is
+    # after the arrival.
+    known = (gaps.select("replica", "start_ns").unique().join(clears, on="replica", how="left")
+             .group_by("replica", "start_ns")
+             .agg(known_ns=pl.col("ts_ns").filter(pl.col("ts_ns") > pl.col("start_ns")).min()))
+    after = (pl.col("start_ns") <= pl.col("arrival_ns")) & \
+        (pl.col("known_ns").is_null() | (pl.col("known_ns") > pl.col("arrival_ns")))
+    flags = (request_ledger.select("request_id", "replica", "arrival_ns").join(known, on="replica")
+             .group_by("request_id").agg(incomplete=after.any()))
     return (request_ledger.join(flags, on="request_id", how="left", maintain_order="left")
             .with_columns(events_incomplete=pl.col("incomplete").fill_null(False)).drop("incomplete"))

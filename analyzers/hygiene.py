@@ -45,9 +45,8 @@ def _mix(position: np.ndarray, token_hash: np.ndarray) -> np.ndarray:
         return x ^ (x >> np.uint64(31))
 
 
-def _blocks(request_blocks: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
-    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    rel = request_blocks.filter(cond).select(
+def _blocks(request_blocks: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    rel = request_blocks.select(
         "request_id", "arrival_ns", "position", "content_hash", "token_hash", "block_tokens",
         "block_size_tokens")
     blocks = (rel.pl()
@@ -100,7 +99,7 @@ def _run_keys(blocks: pl.DataFrame, splits: pl.DataFrame) -> pl.DataFrame:
 
 
 def hygiene(*, request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per_token: int) -> pl.DataFrame:
-    """Requests of ``scenario`` that lose reusable tokens to an early divergence.
+    """Requests of ``scenario`` that lose reusable tokens to an early divergence (its request_blocks).
 
     Columns: scenario, request_id, split_position (block index where the request's chain
     diverged from every earlier request), lost_tokens (tokens of the full blocks after the
@@ -112,7 +111,7 @@ def hygiene(*, request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per
     group losing most tokens), offender_requests and offender_lost_tokens (the group's totals).
     One row per request with lost_tokens > 0; sorted by offender_rank, arrival_ns, request_id.
     """
-    blocks = _blocks(request_blocks, scenario)
+    blocks = _blocks(request_blocks)
     if blocks.is_empty():
         return pl.DataFrame(schema=_SCHEMA)
     splits = _splits(blocks)

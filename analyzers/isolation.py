@@ -38,22 +38,17 @@ _SCHEMA: dict[str, type[pl.DataType]] = {
 _SALT_ADVICE = "give each tenant its own cache_salt (vLLM) or namespace"
 
 
-def _of(rel: duckdb.DuckDBPyRelation, scenario: str, *cols: str) -> pl.DataFrame:
-    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    return rel.filter(cond).select(*cols).pl()
-
-
 def _rows(rows: list[dict[str, object]]) -> pl.DataFrame:
     return pl.DataFrame(rows, schema=_SCHEMA) if rows else pl.DataFrame(schema=_SCHEMA)
 
 
-def _tenant_blocks(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
-                   scenario: str) -> tuple[pl.DataFrame, pl.DataFrame]:
+def _tenant_blocks(requests: duckdb.DuckDBPyRelation,
+                   request_blocks: duckdb.DuckDBPyRelation) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(request_id -> tenant, full blocks with tenant and arrival) of the scenario."""
-    tenants = (_of(requests, scenario, "request_id", "tenant").filter(pl.col("tenant").is_not_null())
+    tenants = (requests.select("request_id", "tenant").pl().filter(pl.col("tenant").is_not_null())
                .unique("request_id", keep="first"))
-    blocks = (_of(request_blocks, scenario, "request_id", "arrival_ns", "block_hash", "block_tokens",
-                  "block_size_tokens")
+    blocks = (request_blocks.select("request_id", "arrival_ns", "block_hash", "block_tokens",
+                                    "block_size_tokens").pl()
               .filter(pl.col("block_tokens") >= pl.col("block_size_tokens"))
               .join(tenants, on="request_id"))
     return tenants, blocks
@@ -204,7 +199,7 @@ def isolation_findings(
     scenario: str,
     bytes_per_token: int,
 ) -> pl.DataFrame:
-    """Isolation and compatibility findings of ``scenario`` (see the module docstring).
+    """Isolation and compatibility findings of ``scenario``, from its rows (see the module docstring).
 
     Columns: scenario, finding, subject (tenants, replicas or namespaces involved), blocks
     (blocks or block keys involved), detail (the finding in words, with numbers), severity
@@ -212,16 +207,16 @@ def isolation_findings(
     ``bytes_per_token``) when the finding is about needed blocks, requests (requests involved,
     when known). Sorted by severity (high first), finding, blocks (most first), subject.
     """
-    tenants, tblocks = _tenant_blocks(requests, request_blocks, scenario)
-    router = _of(request_blocks, scenario, "request_id", "position", "block_hash", "content_hash",
-                 "block_size_tokens", "namespace")
-    events = _of(kv_events, scenario, "replica", "kind", "block_hash", "content_hash", "block_tokens",
-                 "extra_key", "namespace").filter(pl.col("kind").cast(pl.Utf8) == "stored")
-    outcomes = block_outcomes.filter(pl.col("scenario") == scenario)
+    tenants, tblocks = _tenant_blocks(requests, request_blocks)
+    router = request_blocks.select("request_id", "position", "block_hash", "content_hash",
+                                   "block_size_tokens", "namespace").pl()
+    events = (kv_events.select("replica", "kind", "block_hash", "content_hash", "block_tokens", "extra_key",
+                               "namespace").pl()
+              .filter(pl.col("kind").cast(pl.Utf8) == "stored"))
     rows = [
-        *_cross_tenant(tenants, tblocks, outcomes, bytes_per_token),
+        *_cross_tenant(tenants, tblocks, block_outcomes, bytes_per_token),
         *_cross_salt(events),
-        *_incompatible(outcomes, router.select("request_id", "position", "namespace"), bytes_per_token),
+        *_incompatible(block_outcomes, router.select("request_id", "position", "namespace"), bytes_per_token),
         *_different_keys(events.select(label=pl.col("replica"), content_hash="content_hash",
                                        block_hash="block_hash"), "replicas"),
         *_different_keys(router.select(label=pl.col("namespace"), content_hash="content_hash",

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import duckdb
 import polars as pl
+
+from kvlens.analyzers.request_ledger import SUM_DTYPE
 
 __all__ = ["miss_ledger"]
 
-MISS_LEDGER_SQL = """
-SELECT b.scenario, coalesce(b.replica, '') AS replica, b.outcome,
-       count(*) AS blocks, sum(b.tokens) AS tokens, sum(b.bytes) AS bytes,
-       coalesce(bool_or(i.events_incomplete), false) AS events_incomplete
-FROM block_outcomes b LEFT JOIN incomplete i USING (request_id)
-GROUP BY ALL
-ORDER BY scenario, replica, outcome
-"""
+_KEYS = ["scenario", "replica", "outcome"]
 
 
 def miss_ledger(*, block_outcomes: pl.DataFrame, incomplete: pl.DataFrame | None = None) -> pl.DataFrame:
@@ -26,7 +20,11 @@ def miss_ledger(*, block_outcomes: pl.DataFrame, incomplete: pl.DataFrame | None
     """
     if incomplete is None:
         incomplete = pl.DataFrame(schema={"request_id": pl.String, "events_incomplete": pl.Boolean})
-    con = duckdb.connect()
-    con.register("block_outcomes", block_outcomes)
-    con.register("incomplete", incomplete.select("request_id", "events_incomplete"))
-    return con.sql(MISS_LEDGER_SQL).pl()
+    flags = incomplete.select("request_id", "events_incomplete")
+    return (block_outcomes.with_columns(pl.col("replica").cast(pl.Utf8).fill_null(""))
+            .join(flags, on="request_id", how="left")
+            .group_by(_KEYS)
+            .agg(blocks=pl.len().cast(pl.Int64), tokens=pl.col("tokens").cast(SUM_DTYPE).sum(),
+                 bytes=pl.col("bytes").cast(SUM_DTYPE).sum(),
+                 events_incomplete=pl.col("events_incomplete").any())
+            .sort(_KEYS, nulls_last=True))

@@ -340,7 +340,7 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     acc = stream or access_stream(request_blocks, scenario, bytes_per_token)
     rs, sizes = acc.frame, acc.sizes
     keys = rs["block_hash"].to_numpy()
-    full = _scenario_block_size(request_blocks, scenario) or int(rs["block_tokens"].to_numpy().max())
+    full = _block_size(request_blocks) or int(rs["block_tokens"].to_numpy().max())
     block_bytes = max(1, full * bytes_per_token)
     parts = [_rows(_histogram(acc.distances, sizes), "exact", block_bytes)]
     if sample_rate is not None:
@@ -349,7 +349,6 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     return out.select(MRC.names).sort("method", "capacity_bytes")
 
 
-def _scenario_block_size(request_blocks: duckdb.DuckDBPyRelation, scenario: str) -> int | None:
-    rel = request_blocks.filter(duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
-    rows = rel.aggregate("mode(block_size_tokens) AS b").fetchall()
+def _block_size(request_blocks: duckdb.DuckDBPyRelation) -> int | None:
+    rows = request_blocks.aggregate("mode(block_size_tokens) AS b").fetchall()
     return int(rows[0][0]) if rows and rows[0][0] else None

@@ -1,7 +1,7 @@
 """Analyzers: the miss ledger's rows: one outcome per needed full block of every request.
 
-Reads ``requests``, ``request_blocks``, ``kv_events`` and ``transfers`` of one scenario,
-replays the cache state (analyzers/replay.py) and labels each full block with DESIGN.md's
+Reads ``requests``, ``request_blocks``, ``kv_events`` and ``transfers`` of one scenario (the
+caller scopes them), replays the cache state (analyzers/replay.py) and labels each full block with DESIGN.md's
 outcome. The look-up time of a request is its arrival plus its queue time when known: the
 moment the engine consults its prefix cache; where the request's own stores show its admission
 in the event stream, the look-up is placed there instead (analyzers/admission.py), which is
@@ -50,11 +50,6 @@ POOL_LOCATION = Medium.POOL.value
 _SLIDING_KINDS = ("sliding_window", "sliding_window_mla")
 
 
-def _scenario(rel: duckdb.DuckDBPyRelation, scenario: str, *cols: str) -> pl.DataFrame:
-    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    return rel.filter(cond).select(*cols).pl()
-
-
 def _u64_as_i64(series: pl.Series) -> np.ndarray:
     return series.fill_null(0).cast(pl.UInt64).to_numpy().view(np.int64)
 
@@ -80,14 +75,13 @@ class _Codes:
         return [self.names[c] if c >= 0 else None for c in codes.tolist()]
 
 
-def _events(kv_events: duckdb.DuckDBPyRelation, scenario: str, locs: _Codes,
+def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes,
             spaces: _Codes) -> tuple[dict[str, np.ndarray], pl.DataFrame]:
     """The replay core's event arrays, and each location's KV cache groups (location code,
     group_idx, group code, sliding window tokens or 0)."""
-    ev = _scenario(kv_events, scenario, "ts_ns", "seq", "replica", "kind", "block_hash", "parent_hash",
-                   "medium",
-                   "content_hash", "namespace", "group_idx", "spec_kind", "sliding_window_tokens",
-                   "remaining_copies")
+    ev = kv_events.select("ts_ns", "seq", "replica", "kind", "block_hash", "parent_hash", "medium",
+                          "content_hash", "namespace", "group_idx", "spec_kind", "sliding_window_tokens",
+                          "remaining_copies").pl()
     ev = ev.filter(pl.col("kind").cast(pl.Utf8).is_in(list(_KIND_CODES)))  # inactive changes no residency
     # Stable: events with equal time and sequence keep the order the collector wrote them in.
     order = np.lexsort((ev["seq"].fill_null(0).to_numpy(), ev["ts_ns"].fill_null(0).to_numpy()))
@@ -136,13 +130,12 @@ def _windows(groups: pl.DataFrame, n_locs: int, n_groups: int) -> np.ndarray:
 
 
 def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
-            transfers: duckdb.DuckDBPyRelation, scenario: str) -> tuple[pl.DataFrame, pl.DataFrame]:
-    req = _scenario(requests, scenario, "request_id", "arrival_ns", "queue_ms", "replica", "prompt_tokens",
-                    "source")
+            transfers: duckdb.DuckDBPyRelation) -> tuple[pl.DataFrame, pl.DataFrame]:
+    req = requests.select("request_id", "arrival_ns", "queue_ms", "replica", "prompt_tokens", "source").pl()
     req = req.unique("request_id", keep="first").with_columns(
         lookup_ns=pl.col("arrival_ns") + (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64))
-    blocks = _scenario(request_blocks, scenario, "request_id", "position", "block_hash", "content_hash",
-                       "block_tokens", "block_size_tokens", "namespace")
+    blocks = request_blocks.select("request_id", "position", "block_hash", "content_hash", "block_tokens",
+                                   "block_size_tokens", "namespace").pl()
     full = blocks.filter(pl.col("block_tokens") >= pl.col("block_size_tokens"))
     covered = full.group_by("request_id").agg(full_tokens=pl.col("block_tokens").sum(),
                                               block_size=pl.col("block_size_tokens").max())
@@ -153,7 +146,7 @@ def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRe
            .sort("lookup_ns", "arrival_ns", "request_id"))
     # A load is a transfer the serving replica received for this request and block; a store
     # into the pool (received by the pool) is not.
-    xfer = (_scenario(transfers, scenario, "request_id", "block_hash", "status", "replica", "origin")
+    xfer = (transfers.select("request_id", "block_hash", "status", "replica", "origin").pl()
             .rename({"replica": "receiver"})
             .join(req.select("request_id", "replica"), on="request_id")
             .filter(pl.col("block_hash").is_not_null()
@@ -194,7 +187,7 @@ def block_outcomes(
     bytes_per_token: int,
     group_bytes_per_token: Sequence[int] | None = None,
 ) -> pl.DataFrame:
-    """One row per needed full block per request of ``scenario``.
+    """One row per needed full block per request of ``scenario``, from its rows of each table.
 
     Columns: scenario, request_id, replica, arrival_ns, position, block_hash, outcome (a
     kvlens.schema.Outcome value), tokens, bytes, holder (for miss_routing: a replica holding it),
@@ -209,9 +202,9 @@ def block_outcomes(
     counts the groups that served it (a sliding-window group only the blocks of its window) and
     any other block every group of the request, which computes it.
     """
-    req, full = _needed(requests, request_blocks, transfers, scenario)
+    req, full = _needed(requests, request_blocks, transfers)
     locs, spaces = _Codes(), _Codes()
-    ev, groups = _events(kv_events, scenario, locs, spaces)
+    ev, groups = _events(kv_events, locs, spaces)
     req, full = _admitted(ev, req, full, locs)
     req_loc = locs.encode(req["replica"])
     blk_ns = spaces.encode(full["namespace"], null=-1)

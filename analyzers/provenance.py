@@ -47,26 +47,24 @@ def simulator_assumptions(device: DeviceModel = DEFAULT_DEVICE) -> str:
             f"{device.decode_ms_per_token:g} ms per output token")
 
 
-def _recorded_assumptions(simulations: duckdb.DuckDBPyRelation | None, scenario: str) -> str | None:
+def _recorded_assumptions(simulations: duckdb.DuckDBPyRelation | None) -> str | None:
     """What ``kvlens simulate`` recorded for the what-if (its newest row), if the lake has it."""
     if simulations is None:
         return None
-    scen = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    rows = simulations.filter(scen).order("created_ns DESC").limit(1).select("assumptions").fetchall()
+    rows = simulations.order("created_ns DESC").limit(1).select("assumptions").fetchall()
     return str(rows[0][0]) if rows and rows[0][0] else None
 
 
-def scenario_provenance(*, requests: duckdb.DuckDBPyRelation, scenario: str,
+def scenario_provenance(*, requests: duckdb.DuckDBPyRelation,
                         simulations: duckdb.DuckDBPyRelation | None = None) -> Provenance:
-    """Where ``scenario``'s figures come from, read from its ``requests`` rows (joined ones included).
+    """Where a scenario's figures come from, read from its ``requests`` rows (joined ones included).
 
-    A simulated scenario's assumptions are those ``kvlens simulate`` recorded in ``simulations``;
-    a what-if written before that table existed gets the LRU engine's service model, which was
-    then the only one.
+    A simulated scenario's assumptions are those ``kvlens simulate`` recorded in its
+    ``simulations`` rows; a what-if written before that table existed gets the LRU engine's
+    service model, which was then the only one.
     """
-    scen = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    ((sources, not_simulated, with_ttft),) = requests.filter(scen).aggregate(_AGGREGATE).fetchall()
+    ((sources, not_simulated, with_ttft),) = requests.aggregate(_AGGREGATE).fetchall()
     if not_simulated == 0 and sources:
-        assumed = _recorded_assumptions(simulations, scenario) or simulator_assumptions()
+        assumed = _recorded_assumptions(simulations) or simulator_assumptions()
         return Provenance(SIMULATED, str(sources), MODELLED if with_ttft else None, assumed)
     return Provenance(MEASURED, str(sources), MEASURED if with_ttft else None, None)

@@ -48,10 +48,9 @@ _CREATED = {n: n.removesuffix("_total") + "_created" for names in COUNTERS.value
 _SERIES = ["replica", "name", "series"]
 
 
-def _samples(metric_samples: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
+def _samples(metric_samples: duckdb.DuckDBPyRelation) -> pl.DataFrame:
     names = sorted(set(_CREATED) | set(_CREATED.values()))
-    cond = (duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)) & \
-        duckdb.ColumnExpression("name").isin(*(duckdb.ConstantExpression(n) for n in names))
+    cond = duckdb.ColumnExpression("name").isin(*(duckdb.ConstantExpression(n) for n in names))
     rel = metric_samples.filter(cond).project(
         "replica, name, CAST(labels AS VARCHAR) AS series, ts_ns, value")
     return rel.pl().with_columns(pl.col("replica").fill_null(""))
@@ -141,13 +140,12 @@ def _ledger(request_ledger: pl.DataFrame, spans: pl.DataFrame, window_ns: int | 
 
 
 def reconcile(*, metric_samples: duckdb.DuckDBPyRelation, request_ledger: pl.DataFrame, scenario: str,
-              metrics_scenario: str | None = None, replica_map: Mapping[str, str] | None = None,
-              window_ns: int | None = None) -> pl.DataFrame:
+              replica_map: Mapping[str, str] | None = None, window_ns: int | None = None) -> pl.DataFrame:
     """Engine counter increases beside the ledger's hit tokens, per replica and window.
 
-    ``metric_samples`` is the lake relation; its rows of ``metrics_scenario`` (default:
-    ``scenario``; live scrapes are in ``live``) are used. ``request_ledger`` is that analysis'
-    frame for ``scenario``. ``replica_map`` renames scraped replicas to the ledger's names (a
+    ``metric_samples`` are the rows of the scenario holding the scrapes (``scenario`` itself, or
+    another: live scrapes are in ``live``). ``request_ledger`` is that analysis' frame for
+    ``scenario``. ``replica_map`` renames scraped replicas to the ledger's names (a
     ledger without replicas has ``''``). ``window_ns``: fixed windows instead of one per replica.
 
     Columns: scenario, replica, window_start_ns, window_end_ns, engine_queries_tokens,
@@ -159,7 +157,7 @@ def reconcile(*, metric_samples: duckdb.DuckDBPyRelation, request_ledger: pl.Dat
     """
     if window_ns is not None and window_ns <= 0:
         raise ValueError(f"window_ns must be positive, got {window_ns}")
-    samples = _samples(metric_samples, metrics_scenario or scenario)
+    samples = _samples(metric_samples)
     if replica_map:
         samples = samples.with_columns(pl.col("replica").replace(dict(replica_map)))
     deltas = _deltas(samples)

@@ -10,72 +10,62 @@ from __future__ import annotations
 import duckdb
 import polars as pl
 
-from kvlens.schema import HIT_OUTCOMES_SQL, Outcome
+from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
 
 __all__ = ["request_ledger"]
 
-# Tail tokens are the prompt beyond its full blocks; the engine's cached_tokens sits beside. A tie
-# between miss outcomes goes to the first name in order, so the result never depends on row order.
-REQUEST_LEDGER_SQL = f"""
-WITH per AS (
-    SELECT request_id,
-           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}) AS hit_tokens,
-           sum(tokens) FILTER (WHERE outcome = '{Outcome.RECOMPUTED_LAST.value}') AS recomputed_last_tokens,
-           sum(tokens) FILTER (WHERE outcome LIKE 'miss_%') AS miss_tokens,
-           sum(tokens) FILTER (WHERE outcome = 'unobserved') AS unobserved_tokens,
-           sum(tokens) FILTER (WHERE reusable) AS reusable_tokens,
-           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
-                               AND origin = 'gpu') AS device_hit_tokens,
-           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
-                               AND origin = 'cpu') AS host_hit_tokens,
-           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
-                               AND origin = 'disk') AS disk_hit_tokens,
-           sum(tokens) FILTER (WHERE outcome IN {HIT_OUTCOMES_SQL}
-                               AND origin NOT IN ('gpu', 'cpu', 'disk')) AS remote_hit_tokens,
-           sum(tokens) AS full_tokens,
-           first(outcome ORDER BY tokens_by_outcome DESC, outcome) FILTER (WHERE outcome LIKE 'miss_%')
-               AS dominant_miss
-    FROM (SELECT request_id, outcome, tokens, reusable, origin,
-                 sum(tokens) OVER (PARTITION BY request_id, outcome) AS tokens_by_outcome
-          FROM block_outcomes)
-    GROUP BY request_id
-)
-SELECT r.scenario, coalesce(r.replica, '') AS replica, r.request_id, r.arrival_ns,
-       r.prompt_tokens,
-       coalesce(p.hit_tokens, 0) AS hit_tokens,
-       coalesce(p.recomputed_last_tokens, 0) AS recomputed_last_tokens,
-       coalesce(p.miss_tokens, 0) AS miss_tokens,
-       greatest(coalesce(r.prompt_tokens, 0) - coalesce(p.full_tokens, 0), 0) AS tail_partial_tokens,
-       coalesce(p.unobserved_tokens, 0) AS unobserved_tokens,
-       coalesce(p.reusable_tokens, 0) AS reusable_tokens,
-       coalesce(p.device_hit_tokens, 0) AS device_hit_tokens,
-       coalesce(p.host_hit_tokens, 0) AS host_hit_tokens,
-       coalesce(p.disk_hit_tokens, 0) AS disk_hit_tokens,
-       coalesce(p.remote_hit_tokens, 0) AS remote_hit_tokens,
-       r.cached_tokens, p.dominant_miss, r.ttft_ms, r.queue_ms
-FROM requests r LEFT JOIN per p USING (request_id)
-ORDER BY r.arrival_ns, r.request_id
-"""
+# The ledgers' sums are typed as DuckDB's sum of integers (HUGEINT: exact past int64), as they
+# have always been written.
+SUM_DTYPE = pl.Decimal(38, 0)
+_LOCAL_ORIGINS = {"device_hit_tokens": Medium.GPU.value, "host_hit_tokens": Medium.CPU.value,
+                  "disk_hit_tokens": Medium.DISK.value}
+_SUMS = ["hit_tokens", "recomputed_last_tokens", "miss_tokens", "tail_partial_tokens", "unobserved_tokens",
+         "reusable_tokens", *_LOCAL_ORIGINS, "remote_hit_tokens"]
 
 
-def request_ledger(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRelation,
-                   scenario: str) -> pl.DataFrame:
-    """One row per request of ``scenario``.
+def _per_request(block_outcomes: pl.DataFrame) -> pl.DataFrame:
+    """Per request_id: the token sums by outcome and origin, the full blocks' tokens, the dominant miss."""
+    outcome, origin = pl.col("outcome").cast(pl.Utf8), pl.col("origin")
+    tokens = pl.col("tokens").cast(SUM_DTYPE)
+    hit, miss = outcome.is_in(HIT_OUTCOMES), outcome.str.starts_with("miss_")
+    per = block_outcomes.group_by("request_id").agg(
+        hit_tokens=tokens.filter(hit).sum(),
+        recomputed_last_tokens=tokens.filter(outcome == Outcome.RECOMPUTED_LAST.value).sum(),
+        miss_tokens=tokens.filter(miss).sum(),
+        unobserved_tokens=tokens.filter(outcome == Outcome.UNOBSERVED.value).sum(),
+        reusable_tokens=tokens.filter(pl.col("reusable")).sum(),
+        **{name: tokens.filter(hit & (origin == tier)).sum() for name, tier in _LOCAL_ORIGINS.items()},
+        remote_hit_tokens=tokens.filter(hit & ~origin.is_in(list(_LOCAL_ORIGINS.values()))).sum(),
+        full_tokens=tokens.sum())
+    # A tie between miss outcomes goes to the first name in order, so the result never depends on row order.
+    dominant = (block_outcomes.filter(miss).group_by("request_id", pl.col("outcome").alias("dominant_miss"))
+                .agg(by_outcome=tokens.sum())
+                .sort(["by_outcome", "dominant_miss"], descending=[True, False], nulls_last=True)
+                .group_by("request_id", maintain_order=True).agg(pl.col("dominant_miss").first()))
+    return per.join(dominant, on="request_id", how="left")
+
+
+def request_ledger(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    """One row per request of ``requests`` (a scenario's rows), with its blocks from ``block_outcomes``.
 
     Columns: scenario, replica, request_id, arrival_ns, prompt_tokens, hit_tokens,
-    recomputed_last_tokens, miss_tokens, tail_partial_tokens, unobserved_tokens, reusable_tokens,
-    device_hit_tokens, host_hit_tokens, disk_hit_tokens, remote_hit_tokens (the hits by where they
-    came from: GPU, CPU, disk, the pool or a peer), cached_tokens (the engine's), dominant_miss,
-    ttft_ms, queue_ms. Sorted by arrival, then request id.
+    recomputed_last_tokens, miss_tokens, tail_partial_tokens (the prompt beyond its full blocks),
+    unobserved_tokens, reusable_tokens, device_hit_tokens, host_hit_tokens, disk_hit_tokens,
+    remote_hit_tokens (the hits by where they came from: GPU, CPU, disk, the pool or a peer),
+    cached_tokens (the engine's), dominant_miss, ttft_ms, queue_ms. Sorted by arrival, then
+    request id.
     """
-    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    req = requests.filter(cond).pl().unique("request_id", keep="first")
+    req = requests.pl().unique("request_id", keep="first")
     # A frame made before these columns existed: nothing is known of reuse; hits were local.
     if "reusable" not in block_outcomes.columns:
         block_outcomes = block_outcomes.with_columns(reusable=pl.lit(None, pl.Boolean))
     if "origin" not in block_outcomes.columns:
-        block_outcomes = block_outcomes.with_columns(origin=pl.lit("gpu"))
-    con = duckdb.connect()
-    con.register("block_outcomes", block_outcomes)
-    con.register("requests", req)
-    return con.sql(REQUEST_LEDGER_SQL).pl()
+        block_outcomes = block_outcomes.with_columns(origin=pl.lit(Medium.GPU.value))
+    beyond = pl.col("prompt_tokens").fill_null(0).cast(SUM_DTYPE) - pl.col("full_tokens").fill_null(0)
+    tail = pl.max_horizontal(beyond, pl.lit(0, SUM_DTYPE))
+    return (req.join(_per_request(block_outcomes), on="request_id", how="left")
+            .with_columns(tail_partial_tokens=tail)
+            .select("scenario", pl.col("replica").cast(pl.Utf8).fill_null(""), "request_id", "arrival_ns",
+                    "prompt_tokens", *(pl.col(c).fill_null(0) for c in _SUMS), "cached_tokens",
+                    "dominant_miss", "ttft_ms", "queue_ms")
+            .sort("arrival_ns", "request_id", nulls_last=True))

@@ -307,15 +307,11 @@ def reuse_distances(keys: np.ndarray, sizes: np.ndarray | int = 1) -> Distances:
 # -- streams -----------------------------------------------------------------------------------
 
 
-def _scenario_rows(rel: duckdb.DuckDBPyRelation, scenario: str) -> duckdb.DuckDBPyRelation:
-    return rel.filter(duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
-
-
 # A full block: as many tokens as the cache's block size (a row without a block size counts as full).
 _FULL_BLOCK = "block_tokens IS NOT NULL AND block_tokens = coalesce(block_size_tokens, block_tokens)"
 
 
-def request_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str,
+def request_stream(request_blocks: duckdb.DuckDBPyRelation,
                    requests: duckdb.DuckDBPyRelation | None = None) -> pl.DataFrame:
     """The `requests` stream: block_hash, block_tokens, ts_ns, position, replica, in access order.
 
@@ -325,12 +321,12 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str,
     block, "We only hash full blocks"), so it never enters a cache, a reuse distance or a curve.
     Order: arrival_ns, then request_id (ties in arrival keep a stable order), then position.
     """
-    rb = _scenario_rows(request_blocks, scenario).filter(_FULL_BLOCK).project(
+    rb = request_blocks.filter(_FULL_BLOCK).project(
         "request_id, arrival_ns, position, block_hash, block_tokens"
     ).order(_REQUEST_ORDER)
     frame = rb.pl()
     if requests is not None and frame.height:
-        reps = _scenario_rows(requests, scenario).project("request_id, replica").pl()
+        reps = requests.project("request_id, replica").pl()
         frame = frame.join(reps.unique("request_id"), on="request_id", how="left", maintain_order="left")
     else:
         frame = frame.with_columns(replica=pl.lit(None, pl.String))
@@ -363,8 +359,8 @@ def _frame_rows(stream: str, f: pl.DataFrame, bytes_per_token: int) -> pl.DataFr
 _EVENT_ORDER = "ts_ns, replica, seq, position NULLS FIRST, block_hash, medium, block_tokens NULLS FIRST"
 
 
-def _event_stream(kv_events: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
-    ev = _scenario_rows(kv_events, scenario).filter("kind = 'stored' AND block_hash IS NOT NULL").project(
+def _event_stream(kv_events: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    ev = kv_events.filter("kind = 'stored' AND block_hash IS NOT NULL").project(
         "ts_ns, seq, replica, CAST(medium AS VARCHAR) AS medium, block_hash, block_tokens, position"
     ).order(_EVENT_ORDER)
     frame = ev.pl()  # typed and empty when the scenario has no events (a raw trace import)
@@ -385,8 +381,8 @@ class AccessStream:
 
 def access_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per_token: int,
                   requests: duckdb.DuckDBPyRelation | None = None) -> AccessStream:
-    """The `requests` stream of ``scenario`` and its distances; NoDataError when it is empty."""
-    rs = request_stream(request_blocks, scenario, requests)
+    """The `requests` stream of ``scenario``'s rows and its distances; NoDataError when it is empty."""
+    rs = request_stream(request_blocks, requests)
     if rs.height == 0:
         raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
     sizes = rs["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
@@ -423,7 +419,7 @@ def reuse(*, request_blocks: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPy
     for (name,), f in rs.filter(pl.col("replica").is_not_null()).group_by("replica", maintain_order=True):
         parts.append(_frame_rows(f"replica:{name}", f, bytes_per_token))
     if kv_events is not None:
-        ev = _event_stream(kv_events, scenario)
+        ev = _event_stream(kv_events)
         if ev.height:
             parts.append(_frame_rows("fleet", ev, bytes_per_token))
             for (rep, med), f in ev.group_by("replica", "medium", maintain_order=True):

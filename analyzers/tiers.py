@@ -47,12 +47,11 @@ SAMPLE_COLUMNS = ("coalesce(replica, '') AS replica, name, CAST(labels AS VARCHA
                   "coalesce(labels['source'], labels['cache_source']) AS label")
 
 
-def _engine_counters(metric_samples: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
+def _engine_counters(metric_samples: duckdb.DuckDBPyRelation) -> pl.DataFrame:
     """(replica, source, engine_counter_tokens) from the per-source counters, summed over series."""
     counters = tuple(_COUNTERS)
     names = [*counters, *(n.removesuffix("_total") + "_created" for n in counters)]
-    cond = (duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)) & \
-        duckdb.ColumnExpression("name").isin(*(duckdb.ConstantExpression(n) for n in names))
+    cond = duckdb.ColumnExpression("name").isin(*(duckdb.ConstantExpression(n) for n in names))
     samples = metric_samples.filter(cond).project(SAMPLE_COLUMNS).pl()
     empty = pl.DataFrame(schema={"replica": pl.Utf8, "source": pl.Utf8, "engine_counter_tokens": pl.Int64})
     if samples.height == 0:
@@ -74,9 +73,8 @@ def _ledger_sources(block_outcomes: pl.DataFrame) -> pl.DataFrame:
             .agg(pl.col("tokens").sum().cast(pl.Int64).alias("ledger_hit_tokens")))
 
 
-def _reported(requests: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
-    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    req = requests.filter(cond).select("request_id", "replica", *_REPORTED.values()).pl()
+def _reported(requests: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    req = requests.select("request_id", "replica", *_REPORTED.values()).pl()
     req = req.unique("request_id", keep="first").with_columns(pl.col("replica").fill_null(""))
     frames = [req.group_by("replica").agg(
         pl.lit(src).alias("source"),
@@ -86,9 +84,10 @@ def _reported(requests: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
 
 
 def tier_reconciliation(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRelation,
-                        metric_samples: duckdb.DuckDBPyRelation, scenario: str,
-                        metrics_scenario: str | None = None) -> pl.DataFrame:
+                        metric_samples: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
     """Hit tokens per replica and source: the ledger's, the engine's per request, its counters'.
+
+    ``requests`` are the scenario's; ``metric_samples`` those of the scenario holding its scrapes.
 
     Columns: scenario, replica, source (device, host, disk, remote), ledger_hit_tokens,
     reported_tokens (requests' per-tier split, when reported), engine_counter_tokens (the
@@ -97,9 +96,8 @@ def tier_reconciliation(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDB
     """
     keys = ["replica", "source"]
     out = (_ledger_sources(block_outcomes)
-           .join(_reported(requests, scenario), on=keys, how="full", coalesce=True)
-           .join(_engine_counters(metric_samples, metrics_scenario or scenario), on=keys, how="full",
-                 coalesce=True))
+           .join(_reported(requests), on=keys, how="full", coalesce=True)
+           .join(_engine_counters(metric_samples), on=keys, how="full", coalesce=True))
     engine = pl.coalesce("engine_counter_tokens", "reported_tokens")
     return out.select(
         pl.lit(scenario).alias("scenario"), *keys, pl.col("ledger_hit_tokens").fill_null(0),
@@ -108,33 +106,37 @@ def tier_reconciliation(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDB
     ).sort(keys)
 
 
-# A GPU removal is a demotion when the same location's latest lower-tier event for the block, up
-# to the removal's time (a store at the same time included, and preferred), stored it. The as-of
-# key orders by time, a store after a removal of the same instant.
-DEMOTIONS_SQL = """
-WITH ev AS (
-    SELECT location, tier, kind, block_hash, group_idx,
-           CAST(ts_ns AS HUGEINT) * 2 + CASE WHEN kind = 'stored' THEN 1 ELSE 0 END AS at_key
-    FROM events
-)
-SELECT r.location, r.block_hash, l.kind = 'stored' AS demoted
-FROM (SELECT * FROM ev WHERE tier = 'gpu' AND kind = 'removed') r
-ASOF LEFT JOIN (SELECT * FROM ev WHERE tier IN ('cpu', 'disk')) l
-    ON r.location = l.location AND r.block_hash = l.block_hash AND r.group_idx = l.group_idx
-   AND r.at_key + 1 >= l.at_key
-"""
-
-STORED_SQL = """
-SELECT location, tier, group_idx,
-       count(*) FILTER (WHERE kind = 'stored') AS stored_blocks,
-       sum(coalesce(block_tokens, ?)) FILTER (WHERE kind = 'stored') AS stored_tokens,
-       count(*) FILTER (WHERE kind = 'removed') AS removed_blocks
-FROM events
-GROUP BY ALL
-"""
 EVENT_COLUMNS = ("CASE WHEN medium = 'pool' THEN 'pool' ELSE coalesce(replica, '') END AS location, "
                  "CAST(medium AS VARCHAR) AS tier, CAST(kind AS VARCHAR) AS kind, block_hash, "
                  "coalesce(group_idx, 0) AS group_idx, block_tokens, ts_ns")
+
+
+def _stored(events: pl.DataFrame, block_size_tokens: int) -> pl.DataFrame:
+    """Per location, tier and group: the blocks stored (one per stored event), their tokens, the removals."""
+    stored = pl.col("kind") == "stored"
+    tokens = pl.col("block_tokens").fill_null(block_size_tokens).cast(pl.Int64)
+    return events.group_by("location", "tier", "group_idx").agg(
+        stored_blocks=stored.sum().cast(pl.Int64), stored_tokens=tokens.filter(stored).sum(),
+        removed_blocks=(pl.col("kind") == "removed").sum().cast(pl.Int64))
+
+
+def _demoted(events: pl.DataFrame) -> pl.DataFrame:
+    """Per location, the GPU removals that were demotions.
+
+    A GPU removal is a demotion when the same location's latest lower-tier event for the block
+    (same group), up to the removal's time, stored it; at that time a store, if any, wins over
+    a removal of the same instant.
+    """
+    keys = ["location", "block_hash", "group_idx"]
+    known = pl.col("block_hash").is_not_null() & pl.col("ts_ns").is_not_null()
+    removals = (events.filter(known & (pl.col("tier") == Medium.GPU.value) & (pl.col("kind") == "removed"))
+                .select(*keys, "ts_ns").sort("ts_ns"))
+    lower = (events.filter(known & pl.col("tier").is_in([Medium.CPU.value, Medium.DISK.value]))
+             .group_by(*keys, "ts_ns").agg(stored=(pl.col("kind") == "stored").any()).sort("ts_ns"))
+    # Both sides are sorted on ts_ns; polars cannot check that within the by-groups.
+    latest = removals.join_asof(lower, on="ts_ns", by=keys, strategy="backward", check_sortedness=False)
+    return (latest.filter(pl.col("stored").fill_null(False)).group_by("location")
+            .agg(pl.len().cast(pl.Int64).alias("demoted_blocks")).with_columns(tier=pl.lit(Medium.GPU.value)))
 
 
 def _served(block_outcomes: pl.DataFrame) -> pl.DataFrame:
@@ -165,14 +167,9 @@ def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelat
     block (``group_bytes_per_token``: each KV cache group its own rate, as for block outcomes);
     ``block_size_tokens`` stands in for an event without a block size. Sorted.
     """
-    cond = (duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)) & \
-        (duckdb.ColumnExpression("kind") != duckdb.ConstantExpression("cleared"))
+    cond = duckdb.ColumnExpression("kind") != duckdb.ConstantExpression("cleared")
     events = kv_events.filter(cond).project(EVENT_COLUMNS).pl()
-    con = duckdb.connect()
-    con.register("events", events)
-    stored = con.sql(STORED_SQL, params=[block_size_tokens]).pl()
-    demotions = con.sql(DEMOTIONS_SQL).pl()
-    con.close()
+    stored = _stored(events, block_size_tokens)
     rates = list(group_bytes_per_token or [])
     groups = sorted(set(stored["group_idx"].to_list()))
     per_group = len(rates) >= 2 and groups == list(range(len(rates)))
@@ -182,10 +179,8 @@ def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelat
               .group_by("location", "tier")
               .agg(pl.col("stored_blocks").sum(), pl.col("stored_bytes").sum(),
                    pl.col("removed_blocks").sum()))
-    demoted = (demotions.filter(pl.col("demoted").fill_null(False)).group_by("location")
-               .agg(pl.len().cast(pl.Int64).alias("demoted_blocks")).with_columns(tier=pl.lit(Medium.GPU.value)))
     out = (stored.join(_served(block_outcomes), on=["location", "tier"], how="full", coalesce=True)
-           .join(demoted, on=["location", "tier"], how="left")
+           .join(_demoted(events), on=["location", "tier"], how="left")
            .with_columns(pl.col(c).fill_null(0).cast(pl.Int64) for c in
                          ("stored_blocks", "stored_bytes", "removed_blocks", "demoted_blocks", "hit_blocks",
                           "hit_tokens", "hit_bytes")))

@@ -46,11 +46,10 @@ _SCHEMA = {
 }
 
 
-def _starts(ledger: pl.DataFrame, kv_events: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
-    cond = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    ev = (kv_events.filter(cond).aggregate("replica, kind, min(ts_ns) AS first_ns", "replica, kind").pl()
+def _starts(ledger: pl.DataFrame, kv_events: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    ev = (kv_events.aggregate("replica, kind, min(ts_ns) AS first_ns", "replica, kind").pl()
           .with_columns(pl.col("replica").cast(pl.Utf8), pl.col("kind").cast(pl.Utf8)))
-    clears = (kv_events.filter(cond).filter("kind = 'cleared'").select("replica, ts_ns").distinct().pl()
+    clears = (kv_events.filter("kind = 'cleared'").select("replica, ts_ns").distinct().pl()
               .select(pl.col("replica").cast(pl.Utf8), start_ns="ts_ns", start_kind=pl.lit("cleared")))
     first_req = ledger.group_by("replica").agg(first_ns=pl.col("arrival_ns").min())
     first = (pl.concat([ev.select("replica", "first_ns"), first_req]).group_by("replica")
@@ -114,6 +113,8 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
            prewarm_window_ns: int = 60_000_000_000) -> pl.DataFrame:
     """One row per replica start of ``scenario``: time to steady, tokens lost, what a pre-warm buys.
 
+    The frames and ``kv_events`` are the scenario's (its ledger, its outcomes, its rows).
+
     Columns: scenario, replica, start_ns (ns), start_kind (first_seen or cleared),
     first_request_ns (ns), steady_after_ns (ns after the start; NULL if never), fleet_hit_ratio
     (H), warmup_requests, warmup_recomputed_tokens, prewarm_blocks, prewarm_prefixes,
@@ -122,17 +123,16 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
     """
     if steady_requests < 1 or top_k < 0 or prewarm_window_ns <= 0:
         raise ValueError("steady_requests >= 1, top_k >= 0 and prewarm_window_ns > 0 are required")
-    ledger = (request_ledger.filter(pl.col("scenario") == scenario)
-              .with_columns(pl.col("replica").cast(pl.Utf8)).filter(pl.col("replica").fill_null("") != "")
+    ledger = (request_ledger.with_columns(pl.col("replica").cast(pl.Utf8))
+              .filter(pl.col("replica").fill_null("") != "")
               .with_columns(pl.col(c).fill_null(0).cast(pl.Int64) for c in _TOKENS)
               .with_columns(pl.col("prompt_tokens").cast(pl.Int64))
               .sort("arrival_ns", "request_id"))
     if ledger.height == 0:
         return pl.DataFrame(schema=_SCHEMA)
-    outcomes = block_outcomes.filter(pl.col("scenario") == scenario)
     ratio, ms_per_token = _fleet(ledger)
-    hot, prefixes = _prewarm(outcomes, top_k)
-    starts = _starts(ledger, kv_events, scenario).with_columns(
+    hot, prefixes = _prewarm(block_outcomes, top_k)
+    starts = _starts(ledger, kv_events).with_columns(
         next_ns=pl.col("start_ns").shift(-1).over("replica"))
     start_ns = starts["start_ns"].to_numpy()
     rows = []
@@ -145,7 +145,7 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
         at = _steady(seg["hit_tokens"].to_numpy(), need, steady_fraction * ratio, steady_requests)
         warm = seg if at is None else seg.head(at)
         excess = ratio * float(need[: warm.height].sum()) - float(warm["hit_tokens"].sum())
-        saved = _saved(outcomes, warm["request_id"], hot["block_hash"])
+        saved = _saved(block_outcomes, warm["request_id"], hot["block_hash"])
         n_starts = int(np.sum(np.abs(start_ns - start) < prewarm_window_ns))
         w_bytes = int(hot["bytes"].sum())
         rows.append({

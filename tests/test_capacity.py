@@ -34,7 +34,8 @@ def _metrics(con: duckdb.DuckDBPyConnection) -> duckdb.DuckDBPyRelation:
 def test_effective_capacity_by_hand() -> None:
     con = duckdb.connect()
     out = effective_capacity(mrc=_curve(), physical_bytes=1000, bytes_per_token=2, scenario="s",
-                             metric_samples=_metrics(con), reserved_bytes=100, block_size_tokens=16)
+                             metric_samples=_metrics(con).filter("scenario = 's'"), reserved_bytes=100,
+                             block_size_tokens=16)
     row = out.row(0, named=True)
     # active 0.3 x 1000; fragmentation 4 running x 8 tokens x 2 bytes; 1000-300-100-64 = 536
     assert (row["c_active_decode_bytes"], row["c_fragmentation_bytes"], row["c_eff_bytes"]) == (300, 64, 536)

@@ -128,7 +128,7 @@ def test_a_replay_blind_to_the_groups_does_not_match(analyzed: tuple[Path, Path]
     out = block_outcomes(requests=con.table("requests"), request_blocks=con.table("request_blocks"),
                          kv_events=flat, transfers=con.table("transfers"), scenario="capture",
                          bytes_per_token=1)
-    per = request_ledger(block_outcomes=out, requests=con.table("requests"), scenario="capture")
+    per = request_ledger(block_outcomes=out, requests=con.table("requests"))
     con.close()
     exact = int((per["hit_tokens"] == per["cached_tokens"]).sum())
     # (159 and 55,616 with look-ups at their time; anchored at admission, analyzers/admission.py,

@@ -17,7 +17,7 @@ import duckdb
 import polars as pl
 import pytest
 
-from kvlens.analyzers import block_outcomes, request_ledger
+from kvlens.analyzers import block_outcomes, request_ledger, scenario_rows
 from kvlens.lake import SegmentWriter, open_lake
 from kvlens.models import (
     KvGroup,
@@ -109,9 +109,11 @@ def con(hybrid_lake: Path) -> Iterator[duckdb.DuckDBPyConnection]:
 
 def _outcomes(con: duckdb.DuckDBPyConnection, scenario: str, rates: tuple[int, ...] | None = None,
               kv_events: duckdb.DuckDBPyRelation | None = None) -> pl.DataFrame:
-    return block_outcomes(requests=con.table("requests"), request_blocks=con.table("request_blocks"),
-                          kv_events=con.table("kv_events") if kv_events is None else kv_events,
-                          transfers=con.table("transfers"), scenario=scenario,
+    events = (scenario_rows(con, "kv_events", scenario) if kv_events is None
+              else kv_events.filter(f"scenario = '{scenario}'"))
+    return block_outcomes(requests=scenario_rows(con, "requests", scenario),
+                          request_blocks=scenario_rows(con, "request_blocks", scenario), kv_events=events,
+                          transfers=scenario_rows(con, "transfers", scenario), scenario=scenario,
                           bytes_per_token=SLIDING_RATE + FULL_RATE, group_bytes_per_token=rates)
 
 
@@ -124,7 +126,7 @@ def test_a_sliding_window_needs_only_the_blocks_before_the_match_point(
     # the cut block is computed in both groups.
     both, full = (SLIDING_RATE + FULL_RATE) * BLOCK, FULL_RATE * BLOCK
     assert out["bytes"].to_list() == [full, full, full, both, both, both]
-    per = request_ledger(block_outcomes=out, requests=con.table("requests"), scenario="window")
+    per = request_ledger(block_outcomes=out, requests=scenario_rows(con, "requests", "window"))
     assert per.select("hit_tokens", "miss_tokens", "tail_partial_tokens").row(0) == (5 * BLOCK, BLOCK, 3)
 
 

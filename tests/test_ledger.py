@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvlens.analyzers import block_outcomes, miss_ledger, request_ledger
+from kvlens.analyzers import block_outcomes, miss_ledger, request_ledger, scenario_rows
 from kvlens.analyzers.replay import replay_core
 from kvlens.cli import cli
 from kvlens.lake import SegmentWriter, create_enum_types, open_lake
@@ -207,8 +207,10 @@ def lake_con(hand_lake: Path) -> Iterator[duckdb.DuckDBPyConnection]:
 
 
 def _outcomes(con: duckdb.DuckDBPyConnection, scenario: str) -> pl.DataFrame:
-    return block_outcomes(requests=con.table("requests"), request_blocks=con.table("request_blocks"),
-                          kv_events=con.table("kv_events"), transfers=con.table("transfers"),
+    return block_outcomes(requests=scenario_rows(con, "requests", scenario),
+                          request_blocks=scenario_rows(con, "request_blocks", scenario),
+                          kv_events=scenario_rows(con, "kv_events", scenario),
+                          transfers=scenario_rows(con, "transfers", scenario),
                           scenario=scenario, bytes_per_token=BYTES_PER_TOKEN)
 
 
@@ -244,7 +246,7 @@ def test_hand_miss_ledger(lake_con: duckdb.DuckDBPyConnection) -> None:
 
 def test_hand_request_ledger(lake_con: duckdb.DuckDBPyConnection) -> None:
     out = _outcomes(lake_con, "hand")
-    per = request_ledger(block_outcomes=out, requests=lake_con.table("requests"), scenario="hand")
+    per = request_ledger(block_outcomes=out, requests=scenario_rows(lake_con, "requests", "hand"))
     got = per.select("request_id", "replica", "prompt_tokens", "hit_tokens", "recomputed_last_tokens",
                      "miss_tokens", "tail_partial_tokens", "cached_tokens").rows()
     assert got == [
@@ -279,7 +281,7 @@ def test_dominant_miss_tie_is_decided_the_same_way_in_any_row_order() -> None:
     seen = set()
     for seed in range(12):
         shuffled = frame.sample(fraction=1.0, shuffle=True, seed=seed)
-        per = request_ledger(block_outcomes=shuffled, requests=con.table("reqs"), scenario="s")
+        per = request_ledger(block_outcomes=shuffled, requests=con.table("reqs"))
         seen.add(per["dominant_miss"].item())
     assert seen == {"miss_cold"}  # the tie goes to the first name in order
 
@@ -529,7 +531,7 @@ def test_outcomes_partition_needed_blocks(typed_con: duckdb.DuckDBPyConnection,
                                           frames: dict[str, pl.DataFrame]) -> None:
     _load(typed_con, frames)
     out = _outcomes(typed_con, "p")
-    per = request_ledger(block_outcomes=out, requests=typed_con.table("requests"), scenario="p")
+    per = request_ledger(block_outcomes=out, requests=typed_con.table("requests"))
     blocks = frames["request_blocks"]
     needed = blocks.filter(pl.col("block_tokens") >= pl.col("block_size_tokens"))
     # One row per needed full block, none twice, none missing, every outcome a known one.

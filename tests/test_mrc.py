@@ -80,7 +80,7 @@ def conv(tmp_path_factory: pytest.TempPathFactory
     import_files("mooncake", [TRACE], lake, scenario="conv")
     con = duckdb.connect()
     open_lake(con, lake)
-    rs = request_stream(con.table("request_blocks"), "conv")
+    rs = request_stream(con.table("request_blocks"))
     return rs["block_hash"].to_numpy(), rs["block_tokens"].to_numpy().astype(np.int64), con
 
 

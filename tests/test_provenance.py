@@ -64,8 +64,7 @@ def test_a_what_ifs_assumptions_are_what_the_simulator_ran(tmp_path: Path) -> No
     write_scenario(tmp_path, "whatif", {k: v.to_arrow() for k, v in result.tables.items()}, writer_id="t")
     con = duckdb.connect()
     open_lake(con, tmp_path)
-    found = scenario_provenance(requests=con.table("requests"), scenario="whatif",
-                                simulations=con.table("simulations"))
+    found = scenario_provenance(requests=con.table("requests"), simulations=con.table("simulations"))
     assert found.provenance == "simulated"
     assumed = found.assumptions or ""
     assert "--engine vllm: 3 replica(s) routed prefix_hash" in assumed

@@ -98,7 +98,7 @@ def test_engines_sum_created_zero_and_deprecated_names_are_not_doubled(tmp_path:
 def test_replica_map_and_replicas_without_samples(tmp_path: Path) -> None:
     ledger = _ledger([("pod-a", 15 * S, 10, 8, None), ("b", 3 * S, 10, 4, None), ("b", 9 * S, 20, 6, None)])
     out = reconcile(metric_samples=_relation(tmp_path, HITS), request_ledger=ledger, scenario="x",
-                    metrics_scenario="live", replica_map={"a": "pod-a"})
+                    replica_map={"a": "pod-a"})
     assert out["replica"].to_list() == ["b", "pod-a"]
     b = _one(out, replica="b")
     assert b["engine_hit_tokens"] is None and b["ledger_hit_tokens"] == 10

@@ -105,7 +105,8 @@ def _relations(con: duckdb.DuckDBPyConnection) -> tuple[duckdb.DuckDBPyRelation,
 def test_reuse_table_streams() -> None:
     con = duckdb.connect()
     rb, req, ev = _relations(con)
-    out = reuse(request_blocks=rb, kv_events=ev, bytes_per_token=2, scenario="s", requests=req)
+    out = reuse(request_blocks=rb.filter("scenario = 's'"), kv_events=ev, bytes_per_token=2, scenario="s",
+                requests=req)
     assert out.columns == list(REUSE.names)
     by = {s: f.sort("ts_ns", "block_hash") for (s,), f in out.group_by("stream")}
     # requests stream 1,2,1,3,1,2,4: re-accesses 1@200 (d=2), 1@400 (d=2: 3,1), 2@400 (d=3: 3,1,2)

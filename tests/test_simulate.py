@@ -19,7 +19,7 @@ import polars as pl
 import pytest
 from click.testing import CliRunner, Result
 
-from kvlens.analyzers import block_outcomes, request_ledger
+from kvlens.analyzers import block_outcomes, request_ledger, scenario_rows
 from kvlens.analyzers.simulate import Engine, SimConfig, SimResult, simulate
 from kvlens.cli import cli
 from kvlens.collector.importer import import_files
@@ -114,10 +114,12 @@ class Lab:
         open_lake(con, self.lake)
         try:
             outcomes = block_outcomes(
-                requests=con.table("requests"), request_blocks=con.table("request_blocks"),
-                kv_events=con.table("kv_events"), transfers=con.table("transfers"), scenario=name,
+                requests=scenario_rows(con, "requests", name),
+                request_blocks=scenario_rows(con, "request_blocks", name),
+                kv_events=scenario_rows(con, "kv_events", name),
+                transfers=scenario_rows(con, "transfers", name), scenario=name,
                 bytes_per_token=self.model.kv_bytes_per_token())
-            per = request_ledger(block_outcomes=outcomes, requests=con.table("requests"), scenario=name)
+            per = request_ledger(block_outcomes=outcomes, requests=scenario_rows(con, "requests", name))
             xfers = con.sql(f"SELECT * FROM transfers WHERE scenario = '{name}'").pl()
         finally:
             con.close()

@@ -120,7 +120,7 @@ def _outcomes(con: duckdb.DuckDBPyConnection) -> Any:
 def test_each_tier_rule_gives_its_exact_ledger(con: duckdb.DuckDBPyConnection) -> None:
     out = _outcomes(con).sort("request_id")
     assert out.select("request_id", "outcome", "origin", "removed_ns", "remover").rows() == EXPECTED
-    per = request_ledger(block_outcomes=out, requests=con.table("requests"), scenario="tiers")
+    per = request_ledger(block_outcomes=out, requests=con.table("requests"))
     per = per.sort("request_id")
     assert per.select("request_id", "device_hit_tokens", "host_hit_tokens", "disk_hit_tokens",
                       "remote_hit_tokens").rows() == [

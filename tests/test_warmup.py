@@ -44,7 +44,7 @@ def _inputs() -> tuple[pl.DataFrame, pl.DataFrame]:
     con.register("requests", pl.DataFrame([
         {"scenario": "s", "request_id": f"{rep}@{t}", "replica": rep, "arrival_ns": t, "prompt_tokens": 4,
          "cached_tokens": None, "ttft_ms": 10.0, "queue_ms": 0.0} for rep, t, _ in REQUESTS]))
-    ledger = request_ledger(block_outcomes=outcomes, requests=con.table("requests"), scenario="s")
+    ledger = request_ledger(block_outcomes=outcomes, requests=con.table("requests"))
     return ledger, outcomes
 
 

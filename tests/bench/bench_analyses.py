@@ -24,7 +24,7 @@ import duckdb
 import polars as pl
 
 from kvlens.analysis_db import build_analysis_db
-from kvlens.analyzers import analyze_scenario
+from kvlens.analyzers import analyze_scenario, scenario_rows
 from kvlens.analyzers.ledger import miss_ledger
 from kvlens.analyzers.outcomes import block_outcomes
 from kvlens.analyzers.request_ledger import request_ledger
@@ -55,14 +55,14 @@ def _lake(root: Path) -> Path:
 def _ledger_only(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
     per_token = get_model(DEMO_MODEL).kv_bytes_per_token()
     for name in WHAT_IFS:
+        requests = scenario_rows(con, "requests", name)
         outcomes = block_outcomes(
-            requests=con.table("requests"), request_blocks=con.table("request_blocks"),
-            kv_events=con.table("kv_events"), transfers=con.table("transfers"), scenario=name,
-            bytes_per_token=per_token)
+            requests=requests, request_blocks=scenario_rows(con, "request_blocks", name),
+            kv_events=scenario_rows(con, "kv_events", name), transfers=scenario_rows(con, "transfers", name),
+            scenario=name, bytes_per_token=per_token)
         yield "block_outcomes", outcomes
         yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
-        yield "request_ledger", request_ledger(block_outcomes=outcomes, requests=con.table("requests"),
-                                               scenario=name)
+        yield "request_ledger", request_ledger(block_outcomes=outcomes, requests=requests)
 
 
 def _everything(times: dict[str, float]) -> object:

@@ -26,6 +26,7 @@ import numpy as np
 from click.testing import CliRunner
 
 import kvlens.analyzers.outcomes as outcomes_mod
+from kvlens.analyzers import scenario_rows
 from kvlens.analyzers.simulate import SimConfig, simulate
 from kvlens.cli import cli
 from kvlens.collector.importer import import_files
@@ -70,9 +71,10 @@ def _capture(lake: Path) -> tuple[Any, ...]:
     outcomes_mod.replay_core = recording  # type: ignore[assignment]
     try:
         outcomes_mod.block_outcomes(
-            requests=con.table("requests"), request_blocks=con.table("request_blocks"),
-            kv_events=con.table("kv_events"), transfers=con.table("transfers"), scenario="rr8",
-            bytes_per_token=1)
+            requests=scenario_rows(con, "requests", "rr8"),
+            request_blocks=scenario_rows(con, "request_blocks", "rr8"),
+            kv_events=scenario_rows(con, "kv_events", "rr8"),
+            transfers=scenario_rows(con, "transfers", "rr8"), scenario="rr8", bytes_per_token=1)
     finally:
         outcomes_mod.replay_core = core
         con.close()

@@ -170,7 +170,7 @@ def test_a_replay_that_ignores_the_groups_would_not_match(hybrid_run: dict[str, 
     blocks = block_outcomes(requests=con.table("requests"), request_blocks=con.table("request_blocks"),
                             kv_events=flat, transfers=con.table("transfers"), scenario="run",
                             bytes_per_token=1)
-    ledger = request_ledger(block_outcomes=blocks, requests=con.table("requests"), scenario="run")
+    ledger = request_ledger(block_outcomes=blocks, requests=con.table("requests"))
     con.close()
     wrong = ledger.filter(ledger["hit_tokens"] != ledger["cached_tokens"])
     assert wrong.height > 0, "ignoring the KV cache groups should have missed some of the engine's hits"
