@@ -27,6 +27,7 @@ exceeds it: ``bytes · (V/D) · max(0, 1 − C/D)``, ``V`` the gross benefit of 
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import polars as pl
@@ -121,7 +122,8 @@ def _eviction(groups: list[Group], capacity_bytes: int) -> None:
     """
     worth = [g for g in groups if _f(g, "gross_ms") > 0]
     demand = sum(_i(g, "segment_bytes") for g in worth)
-    value = sum(_f(g, "gross_ms") for g in worth)
+    # fsum: exact whatever order group_by returned the groups in, so two analyses agree to the bit
+    value = math.fsum(_f(g, "gross_ms") for g in worth)
     per_byte = value / demand * max(0.0, 1.0 - capacity_bytes / demand) if demand else 0.0
     for g in groups:
         g["eviction_ms"] = per_byte * _i(g, "segment_bytes")
@@ -155,7 +157,7 @@ def _recommend(r: Group) -> tuple[str, str]:
 
 def prefix_ranking(*, block_outcomes: pl.DataFrame, costs: CostModel, scenario: str,
                    top_n: int = TOP_N) -> pl.DataFrame:
-    """The ``top_n`` prefix groups of ``scenario`` by expected benefit of publishing.
+    """The ``top_n`` prefix groups of ``scenario`` by expected benefit of publishing (its block outcomes).
 
     Columns: scenario, rank, prefix_hash (tip), parent_hash (the parent group's tip, NULL at
     the root), prefix_tokens, bytes (KV of the whole chain), segment_tokens, segment_bytes
@@ -167,9 +169,7 @@ def prefix_ranking(*, block_outcomes: pl.DataFrame, costs: CostModel, scenario: 
     keep local / do not publish: only positive benefit is recommended), reason,
     first_arrival_ns, last_arrival_ns. Sorted by benefit, best first (rank 1).
     """
-    rows = block_outcomes.filter(pl.col("scenario") == scenario) if "scenario" in block_outcomes.columns \
-        else block_outcomes
-    rows = rows.select("request_id", "replica", "arrival_ns", "position", "block_hash",
+    rows = block_outcomes.select("request_id", "replica", "arrival_ns", "position", "block_hash",
                        pl.col("outcome").cast(pl.String), "tokens", "bytes")
     groups = _groups(_segments(rows)).filter(pl.col("segment_tokens") > 0).to_dicts()
     for g in groups:
