@@ -31,6 +31,7 @@ __all__ = [
     "mrc_streams",
     "outcome_replicas",
     "outcome_requests",
+    "outcome_totals",
     "prefix_ranking",
     "request_blocks",
     "ttl_coverage",
@@ -369,3 +370,13 @@ def hygiene_offenders(cur: duckdb.DuckDBPyConnection, scenario: str, window: Win
     if not {"offender_rank", "first_request_id"} <= set(table_columns(cur, "hygiene")):
         return None
     return fetch(cur, HYGIENE_OFFENDERS_SQL, window.params(scenario=scenario, limit=limit))
+
+
+def outcome_totals(ledger: pl.DataFrame) -> pl.DataFrame:
+    """A ledger frame's blocks, tokens and bytes per outcome, with each outcome's share of tokens."""
+    totals = ledger.group_by("outcome").agg(
+        pl.col("blocks").sum(), pl.col("tokens").sum(), pl.col("bytes").sum()
+    )
+    return totals.with_columns((pl.col("tokens") / pl.col("tokens").sum()).alias("share")).sort(
+        "tokens", descending=True
+    )

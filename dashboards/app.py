@@ -16,7 +16,18 @@ from pathlib import Path
 import streamlit as st
 
 from kvlens.dashboards.common import Context, cursor, sidebar
-from kvlens.dashboards.views import capacity, findings, latency, ledger
+from kvlens.dashboards.pages import (
+    audit,
+    capacity,
+    flows,
+    hygiene,
+    latency,
+    misses,
+    overview,
+    prefixes,
+    probe,
+    whatif,
+)
 
 __all__ = ["DB_ENV", "PAGES", "PageSpec", "main", "run"]
 
@@ -32,16 +43,16 @@ class PageSpec:
 
 
 PAGES: tuple[PageSpec, ...] = (
-    PageSpec("overview", "Overview", ledger.overview, ":material/dashboard:"),
-    PageSpec("misses", "Misses", ledger.misses, ":material/search:"),
-    PageSpec("prefixes", "Prefixes", findings.prefixes, ":material/format_list_numbered:"),
+    PageSpec("overview", "Overview", overview.overview, ":material/dashboard:"),
+    PageSpec("misses", "Misses", misses.misses, ":material/search:"),
+    PageSpec("prefixes", "Prefixes", prefixes.prefixes, ":material/format_list_numbered:"),
     PageSpec("capacity", "Capacity", capacity.capacity, ":material/storage:"),
-    PageSpec("flows", "Flows", capacity.flows, ":material/swap_horiz:"),
+    PageSpec("flows", "Flows", flows.flows, ":material/swap_horiz:"),
     PageSpec("latency", "Latency", latency.latency, ":material/timer:"),
-    PageSpec("whatif", "What-if", latency.whatif, ":material/compare:"),
-    PageSpec("probe", "Probe", findings.probe, ":material/speed:"),
-    PageSpec("audit", "Audit", findings.audit, ":material/policy:"),
-    PageSpec("hygiene", "Hygiene", findings.hygiene, ":material/cleaning_services:"),
+    PageSpec("whatif", "What-if", whatif.whatif, ":material/compare:"),
+    PageSpec("probe", "Probe", probe.probe, ":material/speed:"),
+    PageSpec("audit", "Audit", audit.audit, ":material/policy:"),
+    PageSpec("hygiene", "Hygiene", hygiene.hygiene, ":material/cleaning_services:"),
 )
 
 

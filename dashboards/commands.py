@@ -44,7 +44,7 @@ def _file_flags(smtp: SmtpConfig | None) -> dict[str, Any]:
 
 
 def _smtp_settings(mail: Mapping[str, Any], environ: Mapping[str, str]) -> Any:
-    from kvlens.dashboards.mail import SmtpSettings, parse_smtp
+    from kvlens.dashboards.report.mail import SmtpSettings, parse_smtp
 
     user, password_env = mail["user"], mail["password_env"]
     if (user is None) != (password_env is None):
@@ -87,7 +87,7 @@ def run_report(db: str | Path, out: str | Path, *, since: str = "24h",
     result = ReportResult(path, path.stat().st_size, len(report.charts))
     if settings is None or merged["email_to"] is None:
         return result
-    from kvlens.dashboards.mail import build_message, send_message
+    from kvlens.dashboards.report.mail import build_message, send_message
 
     recipients = tuple(a.strip() for a in merged["email_to"].split(",") if a.strip())
     send_message(build_message(report, sender=merged["sender"], recipients=recipients,
@@ -132,7 +132,7 @@ def run_dashboard(db: str | Path, *, port: int = 8501, host: str = "127.0.0.1",
            "--browser.gatherUsageStats=false", "--server.fileWatcherType=none", "--server.runOnSave=false",
            f"--server.port={port}", f"--server.address={host}", "--", "--db", str(path.resolve())]
     env = None
-    if gpu_hour_price is not None:  # the overview reads it (dashboards/views/decision.py)
+    if gpu_hour_price is not None:  # the overview reads it (dashboards/pages/overview.py)
         env = {**os.environ, "KVLENS_GPU_HOUR_USD": repr(gpu_hour_price)}
     announce(f"kvlens dashboard on http://{host}:{port}/ (Ctrl-C stops it)")
     return run_child(cmd, env=env)

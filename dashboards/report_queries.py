@@ -226,7 +226,7 @@ FROM fanout WHERE list_contains($names, scenario) AND {in_window("window_start_n
 GROUP BY ALL HAVING sum(shared_blocks) > 0 ORDER BY sum(duplicate_bytes) DESC, 1 LIMIT 1
 """
 
-# The report's whole-scenario sections (dashboards/report.py).
+# The report's whole-scenario sections (dashboards/report/build.py).
 TOP_PREFIXES_SQL = """
 SELECT scenario, prefix_hash, prefix_tokens, reuses, replicas, bytes, benefit_ms, recommendation,
        CASE WHEN recompute_label = 'measured' AND remote_label = 'measured' THEN 'measured'

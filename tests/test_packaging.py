@@ -43,7 +43,7 @@ def test_the_wheel_has_one_top_level_package(tmp_path: Path) -> None:
     assert second >= SUBPACKAGES
     assert "kvlens/sample_data/conversation_trace.jsonl.gz" in names
     assert "kvlens/dashboards/app.py" in names
-    assert "kvlens/dashboards/views/__init__.py" in names
+    assert "kvlens/dashboards/pages/__init__.py" in names
 
 
 def test_the_symlinks_point_at_the_folders() -> None:

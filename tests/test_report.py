@@ -20,8 +20,8 @@ from click.testing import CliRunner
 from tiny_analysis_db import T0_NS, make_tiny_db
 
 from kvlens.cli import cli
-from kvlens.dashboards.mail import SmtpSettings, build_message, send_message
 from kvlens.dashboards.report import Report, build_report, parse_duration_ns, png_size, write_report
+from kvlens.dashboards.report.mail import SmtpSettings, build_message, send_message
 from kvlens.errors import ConfigError, KvlensError, NoDataError
 
 GOLDEN = Path(__file__).parent / "data" / "golden" / "report_demo.txt"

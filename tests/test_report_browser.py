@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 from test_dashboard_browser import CHROMEDRIVER, CHROMIUM, _first
 
-from kvlens.dashboards.mail import build_message
 from kvlens.dashboards.report import Report, build_report, parse_duration_ns
+from kvlens.dashboards.report.mail import build_message
 
 pytestmark = pytest.mark.slow
 

@@ -38,9 +38,9 @@ from kvlens.dashboards.queries import (
 )
 from kvlens.dashboards.queries import scenario_names as analyzed_scenarios
 from kvlens.dashboards.read import Window, has_rows, open_db, rows
-from kvlens.dashboards.report_lead import attribution_section, lead, worth_section
+from kvlens.dashboards.report.lead import attribution_section, lead, worth_section
+from kvlens.dashboards.report.render import Chart, Lead, Section, Table, png_size, render_html, render_text
 from kvlens.dashboards.report_queries import CROSSOVER_POINTS_SQL, TOP_PREFIXES_SQL
-from kvlens.dashboards.report_render import Chart, Lead, Section, Table, png_size, render_html, render_text
 from kvlens.errors import ConfigError, NoDataError
 
 __all__ = [

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from email.message import EmailMessage
 from email.utils import formatdate, make_msgid
 
-from kvlens.dashboards.report import Report
+from kvlens.dashboards.report.build import Report
 from kvlens.errors import ConfigError, KvlensError
 
 __all__ = ["SmtpSettings", "build_message", "parse_smtp", "send_message"]

@@ -1,8 +1,10 @@
-"""Dashboards: the overview and misses pages, both read from the miss ledger."""
+"""Dashboards: the overview page: the report's first screen (what happened, why, what to do), then the
+selected range's hit ratios, ledger by outcome, trend and engine counters."""
 
 from __future__ import annotations
 
-import polars as pl
+import os
+
 import streamlit as st
 
 from kvlens.dashboards import analyses, charts
@@ -16,7 +18,11 @@ from kvlens.dashboards.common import (
     provenance_note,
     show_chart,
 )
+from kvlens.dashboards.decisions import Decisions, decide
+from kvlens.dashboards.formatting import fmt_int, fmt_pct, fmt_points
+from kvlens.dashboards.provenance import origins
 from kvlens.dashboards.queries import (
+    headlines,
     hit_ratios,
     ledger_by_outcome,
     pick_bucket_ns,
@@ -24,20 +30,90 @@ from kvlens.dashboards.queries import (
     scenario_span_ns,
     trend,
 )
-from kvlens.dashboards.read import has_rows
-from kvlens.dashboards.views.decision import decision
-from kvlens.schema import HIT_OUTCOMES
+from kvlens.dashboards.read import Window, has_rows
+from kvlens.dashboards.report.lead import change_sentence
 
-__all__ = ["misses", "overview"]
+__all__ = ["PRICE_ENV", "decision", "decision_window", "overview"]
 
 
-def _outcome_totals(ledger: pl.DataFrame) -> pl.DataFrame:
-    totals = ledger.group_by("outcome").agg(
-        pl.col("blocks").sum(), pl.col("tokens").sum(), pl.col("bytes").sum()
-    )
-    return totals.with_columns((pl.col("tokens") / pl.col("tokens").sum()).alias("share")).sort(
-        "tokens", descending=True
-    )
+PRICE_ENV = "KVLENS_GPU_HOUR_USD"  # set by kvlens dashboard --gpu-hour-price
+
+
+DAY_NS = 86_400 * 10**9
+
+
+PAGE_TITLES = {"whatif": "What-if", "prefixes": "Prefixes", "capacity": "Capacity", "hygiene": "Hygiene",
+               "misses": "Misses"}
+
+
+def decision_window(ctx: Context) -> tuple[Window, str] | None:
+    """The half-open window the first part describes, and how it was chosen, in words."""
+    if not ctx.window.whole:
+        return ctx.window, "the selected window against the one before it"
+    span = scenario_span_ns(ctx.cur, ctx.scenario)
+    if span is None:
+        return None
+    first, end = span[0], span[1] + 1  # just after the latest arrival, as the report's window ends
+    if end - first >= 2 * DAY_NS:
+        return Window(end - DAY_NS, end), "the last 24 hours against the 24 before"
+    half = max((end - first + 1) // 2, 1)  # rounded up: the window before starts at or before the first
+    return Window(end - half, end), ("the later half of the scenario (it spans under two days) against the "
+                                     "earlier")
+
+
+def _price() -> float | None:
+    raw = os.environ.get(PRICE_ENV)
+    try:
+        return None if not raw else max(float(raw), 0.0)
+    except ValueError:
+        return None
+
+
+def _metrics(d: Decisions) -> None:
+    label = d.origin.label or "not recorded"
+    prev = d.previous
+    a, b, c, e = st.columns(4)
+
+    def delta(now: float | None, before: float | None) -> str | None:
+        return None if now is None or before is None else fmt_points((now - before) * 100)
+
+    a.metric(f"Token hit ratio, this window ({label})", fmt_pct(d.current.token_hit_ratio),
+             delta(d.current.token_hit_ratio, prev.token_hit_ratio if prev else None))
+    b.metric(f"Byte hit ratio, this window ({label})", fmt_pct(d.current.byte_hit_ratio),
+             delta(d.current.byte_hit_ratio, prev.byte_hit_ratio if prev else None))
+    c.metric("Avoidable recomputed tokens", fmt_int(d.avoidable_tokens),
+             help="every miss but miss_cold, in this window")
+    e.metric(f"Their worth ({d.price.label or 'n/a'})", d.price.amount(d.avoidable_tokens),
+             help=f"{d.price.assumptions}; {d.price.amount(d.avoidable_tokens * d.per_day)} a day at "
+                  "this rate")
+
+
+def decision(ctx: Context) -> Decisions | None:
+    """Draw the first part for the selected scenario; the Decisions drawn (None: nothing to show)."""
+    chosen = decision_window(ctx)
+    if chosen is None:
+        return None
+    window, how = chosen
+    heads = headlines(ctx.cur, list(ctx.scenarios), window)
+    if ctx.scenario not in heads or heads[ctx.scenario].token_hit_ratio is None:
+        st.info(f"{ctx.scenario} has no hit ratio in {window.label()}: nothing to decide on")
+        return None
+    d = decide(ctx.cur, heads, origins(ctx.cur, sorted(heads)), window, usd_per_gpu_hour=_price(),
+               production=ctx.scenario)
+    if d is None:
+        return None
+    st.subheader("What happened, and what to do first")
+    st.caption(f"{window.label()}: {how}.")
+    _metrics(d)
+    st.markdown(change_sentence(d))
+    if not d.actions:
+        st.markdown("No action with a predicted gain was found for this window.")
+    for i, act in enumerate(d.actions, 1):
+        page = PAGE_TITLES.get(act.page, act.page)
+        st.markdown(f"{i}. **{act.title}**: {act.effect} ({act.basis}). [Evidence: {page} page]({act.page})")
+    if _price() is None:
+        st.caption("Money needs a price: start with kvlens dashboard --gpu-hour-price USD.")
+    return d
 
 
 def _headline(ctx: Context) -> None:
@@ -107,7 +183,7 @@ def overview(ctx: Context) -> None:
         )
     st.subheader("Ledger by outcome")
     st.dataframe(
-        _outcome_totals(ledger),
+        analyses.outcome_totals(ledger),
         hide_index=True,
         column_config={"share": st.column_config.NumberColumn(format="percent")},
     )
@@ -126,35 +202,3 @@ def _reconciliation(ctx: Context) -> None:
     show_chart(charts.reconciliation_chart(frame))
     st.dataframe(frame, hide_index=True,
                  column_config={"difference_ratio": st.column_config.NumberColumn(format="percent")})
-
-
-def misses(ctx: Context) -> None:
-    """Drill from an outcome to the replicas, to the requests, to the blocks behind it."""
-    st.header(f"Misses: {ctx.scenario}")
-    provenance_note(ctx)
-    if empty(ctx, "block_outcomes"):
-        return
-    totals = _outcome_totals(ledger_by_outcome(ctx.cur, ctx.scenario, ctx.window))
-    misses_only = totals.filter(~pl.col("outcome").is_in(HIT_OUTCOMES) & (pl.col("tokens") > 0))
-    if misses_only.height == 0:
-        st.success("no missed blocks in this window")
-        return
-    st.dataframe(
-        misses_only,
-        hide_index=True,
-        column_config={"share": st.column_config.NumberColumn("share of tokens", format="percent")},
-    )
-    outcome = st.selectbox("Outcome", misses_only["outcome"].to_list(), key="miss_outcome")
-    replicas = analyses.outcome_replicas(ctx.cur, ctx.scenario, ctx.window, outcome)
-    show_chart(charts.replica_bar_chart(replicas, title=f"Which replicas had the {outcome} tokens?"))
-    if replicas.height == 0:
-        return
-    replica = st.selectbox("Replica", replicas["replica"].to_list(), key="miss_replica")
-    requests = analyses.outcome_requests(ctx.cur, ctx.scenario, ctx.window, outcome, replica)
-    st.subheader(f"Requests on {replica} with {outcome} blocks (top {requests.height} by tokens)")
-    st.dataframe(requests, hide_index=True)
-    if requests.height == 0:
-        return
-    request_id = st.selectbox("Request", requests["request_id"].to_list(), key="miss_request")
-    st.subheader(f"Blocks of {request_id}")
-    st.dataframe(analyses.request_blocks(ctx.cur, ctx.scenario, request_id), hide_index=True)

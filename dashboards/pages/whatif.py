@@ -1,67 +1,23 @@
-"""Dashboards: the latency page (TTFT by prefix class) and the what-if page (scenarios side by side)."""
+"""Dashboards: the what-if page: scenarios side by side, with what each simulation assumed."""
 
 from __future__ import annotations
 
 import polars as pl
 import streamlit as st
 
-from kvlens.dashboards import analyses, charts
+from kvlens.dashboards import charts
 from kvlens.dashboards.common import (
     Context,
-    empty,
     fmt_ratio,
     label,
     no_rows,
-    origin,
-    provenance_note,
     show_chart,
 )
+from kvlens.dashboards.pages.latency import flagged, percentiles_long
 from kvlens.dashboards.provenance import origins
 from kvlens.dashboards.queries import hit_ratios, scenario_ledgers, scenario_tails
 
-__all__ = ["latency", "whatif"]
-
-_FLAG_RATIO = 5.0
-
-
-def _percentiles_long(frame: pl.DataFrame, key: str) -> pl.DataFrame:
-    names = {"ttft_p50_ms": "p50", "ttft_p95_ms": "p95", "ttft_p99_ms": "p99"}
-    long = frame.unpivot(index=[key], on=list(names), variable_name="percentile", value_name="ttft_ms")
-    return long.with_columns(pl.col("percentile").replace_strict(names))
-
-
-def _flagged(frame: pl.DataFrame) -> pl.DataFrame:
-    return frame.with_columns((pl.col("p99_p50_ratio") > _FLAG_RATIO).alias("flag_p99_p50_above_5"))
-
-
-def latency(ctx: Context) -> None:
-    """TTFT percentiles per prefix class, over time, and per replica; tails above 5x flagged."""
-    st.header(f"Latency: {ctx.scenario}")
-    provenance_note(ctx)
-    if empty(ctx, "latency_tails"):
-        return
-    found = origin(ctx)
-    by_class = analyses.latency_by_class(ctx.cur, ctx.scenario)
-    if by_class.height:
-        every = by_class.filter(pl.col("prefix_class") == "all")
-        if every.height:
-            row = every.row(0, named=True)
-            a, b, c, d = st.columns(4)
-            a.metric(found.ttft("TTFT P50"), f"{row['ttft_p50_ms']:,.0f} ms")
-            b.metric(found.ttft("TTFT P99"), f"{row['ttft_p99_ms']:,.0f} ms")
-            c.metric(found.ttft("P99/P50"), f"{row['p99_p50_ratio']:.1f}x")
-            d.metric(found.ttft("Queue P50"), f"{row['queue_p50_ms']:,.0f} ms")
-        st.caption(f"Per prefix class, whole scenario, all replicas; TTFT "
-                   f"{found.ttft_label or 'unlabelled'}.")
-        show_chart(charts.latency_class_chart(_percentiles_long(by_class, "prefix_class")))
-        st.dataframe(_flagged(by_class), hide_index=True)
-    trend = analyses.latency_trend(ctx.cur, ctx.scenario, ctx.window)
-    if trend.height:
-        show_chart(charts.latency_trend_chart(trend))
-    else:
-        st.info("latency_tails has no per-window rows in this time window")
-    st.subheader("Per replica (whole scenario, every class)")
-    st.dataframe(_flagged(analyses.latency_by_replica(ctx.cur, ctx.scenario)), hide_index=True)
+__all__ = ["whatif"]
 
 
 def _ratio_metrics(ctx: Context, names: list[str]) -> pl.DataFrame:
@@ -132,7 +88,7 @@ def whatif(ctx: Context) -> None:
         label_of = pl.col("scenario").replace_strict(ttft, default=None, return_dtype=pl.String)
         tails = tails.with_columns(label_of.alias("ttft")).select("scenario", "ttft",
                                                                   pl.exclude("scenario", "ttft"))
-        show_chart(charts.tails_side_by_side_chart(_percentiles_long(tails, "scenario")))
-        st.dataframe(_flagged(tails), hide_index=True)
+        show_chart(charts.tails_side_by_side_chart(percentiles_long(tails, "scenario")))
+        st.dataframe(flagged(tails), hide_index=True)
     else:
         no_rows(ctx, "latency_tails")

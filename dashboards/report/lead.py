@@ -11,7 +11,7 @@ from kvlens.dashboards.attribution import TAIL, Attribution, Part, round_to_sum
 from kvlens.dashboards.decisions import Decisions
 from kvlens.dashboards.findings import CAUSES
 from kvlens.dashboards.formatting import fmt_gpu_hours, fmt_int, fmt_pct, fmt_points, fmt_usd
-from kvlens.dashboards.report_render import Lead, Section, Table
+from kvlens.dashboards.report.render import Lead, Section, Table
 
 __all__ = ["ATTRIBUTION_ROWS", "attribution_section", "change_sentence", "lead", "worth_section"]
 

@@ -1,3 +1,0 @@
-"""Dashboards: the Streamlit pages, one ``render(ctx)`` function per page, grouped by theme."""
-
-__all__: list[str] = []
