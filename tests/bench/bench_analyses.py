@@ -25,6 +25,7 @@ import polars as pl
 
 from kvlens.analysis_db import build_analysis_db
 from kvlens.analyzers import analyze_scenario, scenario_rows
+from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.ledger import miss_ledger
 from kvlens.analyzers.outcomes import block_outcomes
 from kvlens.analyzers.request_ledger import request_ledger
@@ -60,9 +61,14 @@ def _ledger_only(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataF
             requests=requests, request_blocks=scenario_rows(con, "request_blocks", name),
             kv_events=scenario_rows(con, "kv_events", name), transfers=scenario_rows(con, "transfers", name),
             scenario=name, bytes_per_token=per_token)
+        # the ledger as analyze_scenario writes it: requests after an unfillable gap marked incomplete
+        gaps, clears = event_gaps(metric_samples=scenario_rows(con, "metric_samples", name),
+                                  kv_events=scenario_rows(con, "kv_events", name))
+        ledger = request_ledger(block_outcomes=outcomes, requests=requests)
+        per_request = mark_incomplete(ledger, gaps, clears)
         yield "block_outcomes", outcomes
-        yield "miss_ledger", miss_ledger(block_outcomes=outcomes)
-        yield "request_ledger", request_ledger(block_outcomes=outcomes, requests=requests)
+        yield "miss_ledger", miss_ledger(block_outcomes=outcomes, incomplete=per_request)
+        yield "request_ledger", per_request
 
 
 def _everything(times: dict[str, float]) -> object:
