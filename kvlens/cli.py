@@ -73,9 +73,10 @@ def import_cmd(fmt: str, files: tuple[str, ...], lake: str, scenario: str, model
     from kvlens.collector.imports import LINE_FORMATS, import_files
 
     lines = fmt in LINE_FORMATS  # read line by line: a progress bar and a --t0 anchor
+    model = model_name(model, model_config)  # before the bar: a bad flag's error is the only output
     bar: Any
     with progress_bar(files, f"import {fmt}") if lines else nullcontext() as bar:
-        r = import_files(fmt, files, lake, scenario=scenario, model=model_name(model, model_config),
+        r = import_files(fmt, files, lake, scenario=scenario, model=model,
                          skip_bad_lines=skip_bad_lines, t0_ns=_parse_t0(t0) if lines else None,
                          allow_empty=allow_empty, on_progress=bar.update if lines else None)
     click.echo(r.summary(lake))
