@@ -8,7 +8,6 @@ Chromium missing is a failure, not a skip: CI installs it (apt-get install chrom
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from chromium import chrome
 from test_dashboard import PAGE_TABLES
 
 from kvlens.dashboards.app import PAGES
@@ -27,26 +27,9 @@ from kvlens.dashboards.read import table_rows
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM = ("/usr/bin/chromium", "/usr/bin/chromium-browser")
-CHROMEDRIVER = ("/usr/bin/chromedriver",)
-CHROME_ARGS = (
-    "--headless=new",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-dev-shm-usage",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-    "--window-size=1400,1100",
-)
 WAIT_S = 45
 CHART = '[data-testid="stVegaLiteChart"] canvas, [data-testid="stVegaLiteChart"] svg'
 EXCEPTION = '[data-testid="stException"]'
-
-
-def _first(paths: tuple[str, ...], which: str) -> str | None:
-    return next((p for p in paths if os.access(p, os.X_OK)), None) or shutil.which(which)
 
 
 def _free_port() -> int:
@@ -103,22 +86,8 @@ def dashboard(demo_workdir: Path, tmp_path_factory: pytest.TempPathFactory) -> I
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    chromium, driver_path = _first(CHROMIUM, "chromium"), _first(CHROMEDRIVER, "chromedriver")
-    if chromium is None or driver_path is None:
-        pytest.fail(
-            "the dashboard browser test needs Debian's chromium and chromedriver: "
-            "apt-get install chromium chromium-driver (found chromium="
-            f"{chromium}, chromedriver={driver_path})"
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in CHROME_ARGS:
-        options.add_argument(arg)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver = chrome(tmp_path_factory.mktemp("chromium-profile"), ["--window-size=1400,1100"],
+                    "the dashboard browser test")
     driver.set_page_load_timeout(WAIT_S)
     try:
         yield driver

@@ -119,16 +119,23 @@ def test_a_changed_model_or_gone_segment_rebuilds(tiny: Path, tmp_path: Path) ->
     assert set(result.modes) == {(s, "full", "previous analysis DB has no state") for s in ("conv", "rr2")}
 
 
-def test_a_failed_analysis_leaves_the_previous_db_and_state(tiny: Path, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The state is written in the same file as the results: an analysis that dies half-way (here
-    an error in the second scenario) leaves the previous DB, and the next run resumes from it."""
+def _analyzed_then_grown(tiny: Path, tmp_path: Path) -> tuple[Path, Path, Path, list[tuple[object, ...]]]:
+    """The first half of ``tiny`` analyzed into ``incr.duckdb`` (its state returned), then the
+    second half appended to the lake; with the path a full analysis goes to."""
     lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
     bounds = time_bounds(tiny, 2)
     cut(tiny, lake, None, bounds[1], writer="inc0")
     analyze_lake(lake, db)
     before = _state(db)
     cut(tiny, lake, bounds[1], bounds[2], writer="inc1")
+    return lake, db, full, before
+
+
+def test_a_failed_analysis_leaves_the_previous_db_and_state(tiny: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state is written in the same file as the results: an analysis that dies half-way (here
+    an error in the second scenario) leaves the previous DB, and the next run resumes from it."""
+    lake, db, full, before = _analyzed_then_grown(tiny, tmp_path)
     real = analyzers.analyze_scenario
     seen: list[str] = []
 
@@ -215,12 +222,7 @@ analyze_lake(sys.argv[1], sys.argv[2])
 
 
 def test_a_killed_analysis_leaves_the_previous_db_and_the_next_completes(tiny: Path, tmp_path: Path) -> None:
-    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
-    bounds = time_bounds(tiny, 2)
-    cut(tiny, lake, None, bounds[1], writer="inc0")
-    analyze_lake(lake, db)
-    before = _state(db)
-    cut(tiny, lake, bounds[1], bounds[2], writer="inc1")
+    lake, db, full, before = _analyzed_then_grown(tiny, tmp_path)
     with subprocess.Popen([sys.executable, "-c", _STALLS, str(lake), str(db)], stdin=subprocess.PIPE,
                           stdout=subprocess.PIPE, text=True) as child:
         assert child.stdout is not None and child.stdin is not None

@@ -16,7 +16,7 @@ from email.policy import default as default_policy
 from pathlib import Path
 
 import pytest
-from test_dashboard_browser import CHROMEDRIVER, CHROMIUM, _first
+from chromium import chrome
 
 from kvlens.dashboards.report import Report, build_report, parse_duration_ns
 from kvlens.dashboards.report.mail import build_message
@@ -25,9 +25,6 @@ pytestmark = pytest.mark.slow
 
 WIDTH, HEIGHT = 1280, 800
 DEMO_NOW_NS = 1_735_693_137 * 10**9  # as tests/test_report.py's golden window
-ARGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-        "--disable-background-networking", "--disable-component-update", "--disable-sync", "--no-first-run",
-        "--hide-scrollbars")
 
 # One JS call: the rectangles of the first screen's parts and of the first chart, in CSS pixels.
 MEASURE_JS = """
@@ -44,19 +41,7 @@ return {headline: one('headline'), change: one('change'), avoidable: one('avoida
 
 @pytest.fixture(scope="module")
 def driver(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    chromium, driver_path = _first(CHROMIUM, "chromium"), _first(CHROMEDRIVER, "chromedriver")
-    if chromium is None or driver_path is None:
-        pytest.fail("the first-screen test needs Debian's chromium and chromedriver: apt-get install "
-                    f"chromium chromium-driver (found chromium={chromium}, chromedriver={driver_path})")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = chromium
-    for arg in ARGS:
-        options.add_argument(arg)
-    options.add_argument(f"--user-data-dir={tmp_path_factory.mktemp('chromium-profile')}")
-    d = webdriver.Chrome(service=Service(driver_path), options=options)
+    d = chrome(tmp_path_factory.mktemp("chromium-profile"), ["--hide-scrollbars"], "the first-screen test")
     try:
         d.set_window_size(WIDTH, HEIGHT)
         # The window's outer size includes nothing in headless mode, but check what the page gets.

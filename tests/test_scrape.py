@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import socket
-import threading
-import time
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import duckdb
 import pytest
 from click.testing import CliRunner
+from metrics_endpoint import MetricsEndpoint
 
 from kvlens.cli import cli
 from kvlens.collector.scrape import Scraper, parse_exposition
@@ -25,46 +22,9 @@ HITS = 'vllm:prefix_cache_hits_total{engine="0",model_name="/tmp/tiny"}'
 RESTARTED = (CAPTURE.replace(f"{QUERIES} 104998.0", f"{QUERIES} 500.0")
              .replace(f"{HITS} 63744.0", f"{HITS} 300.0"))
 
-Reply = tuple[int, bytes, float]  # status, body, delay before answering (s)
-
-
-class _Server:
-    """A loopback /metrics endpoint answering from a script of replies (the last one repeats)."""
-
-    def __init__(self) -> None:
-        self.replies: list[Reply] = [(200, CAPTURE.encode(), 0.0)]
-        self.hits = 0
-        server = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                status, body, delay = server.replies[min(server.hits, len(server.replies) - 1)]
-                server.hits += 1
-                time.sleep(delay)
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                with contextlib.suppress(OSError):  # a scraper that timed out closed the socket
-                    self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
 @pytest.fixture
-def server() -> Iterator[_Server]:
-    s = _Server()
+def server() -> Iterator[MetricsEndpoint]:
+    s = MetricsEndpoint([(200, CAPTURE.encode(), 0.0)])
     yield s
     s.close()
 
@@ -87,7 +47,8 @@ def _clock(start_ns: int = 1_796_070_000_000_000_000) -> Callable[[], int]:
     return lambda: next(ticks)
 
 
-def test_real_vllm_exposition_then_a_counter_reset_are_stored_raw(server: _Server, tmp_path: Path) -> None:
+def test_real_vllm_exposition_then_a_counter_reset_are_stored_raw(server: MetricsEndpoint,
+                                                                  tmp_path: Path) -> None:
     lake = tmp_path / "lake"
     server.replies = [(200, CAPTURE.encode(), 0.0), (200, RESTARTED.encode(), 0.0)]
     scraper = Scraper(url=server.url, replica="replica-a", lake=str(lake), clock_ns=_clock())
@@ -117,7 +78,8 @@ def test_real_vllm_exposition_then_a_counter_reset_are_stored_raw(server: _Serve
     assert {r[4] for r in buckets if r[3]["le"] == "+Inf"} == {count} == {300.0}
 
 
-def test_failed_scrapes_are_counted_and_the_loop_keeps_going(server: _Server, tmp_path: Path) -> None:
+def test_failed_scrapes_are_counted_and_the_loop_keeps_going(server: MetricsEndpoint,
+                                                             tmp_path: Path) -> None:
     lake = tmp_path / "lake"
     good = CAPTURE.encode()
     server.replies = [(500, b"engine error", 0.0), (200, b"<html>not metrics</html>", 0.0),
@@ -139,7 +101,7 @@ def test_connection_refused_is_counted_not_raised(tmp_path: Path) -> None:
     assert "refused" in (stats.last_error or "").lower()
 
 
-def test_cli_scrape_writes_the_live_scenario(server: _Server, tmp_path: Path) -> None:
+def test_cli_scrape_writes_the_live_scenario(server: MetricsEndpoint, tmp_path: Path) -> None:
     lake = tmp_path / "lake"
     result = CliRunner().invoke(cli, ["collect", "scrape", "--url", server.url, "--replica", "replica-a",
                                       "--lake", str(lake), "--interval", "0.05", "--duration", "0.3"])
@@ -167,7 +129,7 @@ def test_non_finite_values_are_skipped_and_counted(tmp_path: Path) -> None:
 
 
 def test_cli_scrape_config_follows_every_replicas_metrics_url(tmp_path: Path) -> None:
-    servers = [_Server(), _Server()]
+    servers = [MetricsEndpoint([(200, CAPTURE.encode(), 0.0)]) for _ in range(2)]
     try:
         servers[1].replies = [(200, RESTARTED.encode(), 0.0)]
         config = tmp_path / "kvlens.toml"

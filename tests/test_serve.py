@@ -20,7 +20,6 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ import pytest
 import zmq
 from capture_lines import gateway_lines
 from engine_frames import FakeEngine
+from metrics_endpoint import MetricsEndpoint
 from prometheus_client.parser import text_string_to_metric_families
 from serve_checks import alive, descendants, port_free, tables
 
@@ -69,38 +69,6 @@ def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def _analyses(port: int) -> float:
     return _scrape(port).get(("kvlens_serve_analyses_total", (("result", "ok"),)), 0.0)
-
-
-class _Metrics:
-    """A loopback engine /metrics: the capture's exposition for the first ``ok`` scrapes, then 503."""
-
-    def __init__(self, ok: int) -> None:
-        body = (CAPTURE / "metrics.txt").read_bytes()
-        self.hits = 0
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                outer.hits += 1
-                status, payload = (200, body) if outer.hits <= ok else (503, b"down\n")
-                self.send_response(status)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join()
 
 
 def _same_as_full_analysis(lake: Path, db: Path, tmp: Path, join: tuple[str, ...] = ()) -> None:
@@ -163,7 +131,9 @@ def _count(lake: Path, sql: str) -> int:
 def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Context[Any],
                                                                     tmp_path: Path) -> None:
     engine = FakeEngine(ctx, b"kv@replica-a@tiny")
-    metrics = _Metrics(ok=2)
+    # the engine's /metrics: the capture's exposition for the first two scrapes, then 503
+    exposition = (CAPTURE / "metrics.txt").read_bytes()
+    metrics = MetricsEndpoint([(200, exposition, 0.0)] * 2 + [(503, b"down\n", 0.0)])
     otlp, export, dashboard = _free_port(), _free_port(), _free_port()
     config = tmp_path / "kvlens.toml"
     config.write_text(f'[[fleet.replicas]]\nname = "replica-a"\nendpoint = "{engine.endpoint}"\n'
