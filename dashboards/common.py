@@ -34,7 +34,7 @@ __all__ = [
     "label",
     "no_rows",
     "origin",
-    "provenance_note",
+    "page_header",
     "show_chart",
     "sidebar",
     "windowed",
@@ -132,8 +132,10 @@ def label(text: str, found: Origin) -> str:
     return f"{text} ({found.label})" if found.label else text
 
 
-def provenance_note(ctx: Context) -> None:
-    """Under a page's header: that its figures are modelled and on what, and a geometry that was assumed."""
+def page_header(ctx: Context, title: str) -> None:
+    """A scenario page's header, ``title: scenario``, and under it what its figures are: modelled, on
+    what, and a KV geometry that was assumed."""
+    st.header(f"{title}: {ctx.scenario}")
     found = origin(ctx)
     if found.label == "modelled":
         st.caption(f"Modelled, not measured: `{ctx.scenario}` is a simulated what-if ({found.assumptions}).")

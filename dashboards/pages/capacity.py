@@ -12,7 +12,7 @@ from kvlens.dashboards.common import (
     fmt_bytes,
     fmt_ratio,
     no_rows,
-    provenance_note,
+    page_header,
     show_chart,
 )
 
@@ -51,8 +51,7 @@ def _capacity_metrics(marks: pl.DataFrame) -> None:
 
 def capacity(ctx: Context) -> None:
     """Exact and sampled LRU curves with the fleet's effective capacity marked; TTL; warm-up."""
-    st.header(f"Capacity: {ctx.scenario}")
-    provenance_note(ctx)
+    page_header(ctx, "Capacity")
     st.caption("Curves and capacity cover the whole scenario: the time window does not apply here. The "
                "curves are modelled: an LRU of full-block slots replayed over the scenario's full blocks; "
                "their ratios are of those blocks (partial tails are never cached).")

@@ -10,7 +10,7 @@ from kvlens.dashboards.common import (
     Context,
     fmt_bytes,
     fmt_ratio,
-    provenance_note,
+    page_header,
     show_chart,
     windowed,
 )
@@ -47,8 +47,7 @@ def _flow_metrics(frame: pl.DataFrame, long: pl.DataFrame) -> None:
 
 def flows(ctx: Context) -> None:
     """Bytes read, written and copied between replicas per window; never-read bytes."""
-    st.header(f"Flows: {ctx.scenario}")
-    provenance_note(ctx)
+    page_header(ctx, "Flows")
     frame = windowed(ctx, "flows", analyses.flows, "no flows")
     if frame is None:
         return

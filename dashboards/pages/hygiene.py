@@ -5,15 +5,14 @@ from __future__ import annotations
 import streamlit as st
 
 from kvlens.dashboards import analyses, charts
-from kvlens.dashboards.common import Context, fmt_bytes, provenance_note, show_chart, windowed
+from kvlens.dashboards.common import Context, fmt_bytes, page_header, show_chart, windowed
 
 __all__ = ["hygiene"]
 
 
 def hygiene(ctx: Context) -> None:
     """Requests whose chains split early before repeated content: tokens lost, where, who."""
-    st.header(f"Hygiene: {ctx.scenario}")
-    provenance_note(ctx)
+    page_header(ctx, "Hygiene")
     by_split = windowed(ctx, "hygiene", analyses.hygiene_by_split, "no hygiene findings")
     if by_split is None:
         return

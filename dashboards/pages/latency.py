@@ -10,7 +10,7 @@ from kvlens.dashboards.common import (
     Context,
     empty,
     origin,
-    provenance_note,
+    page_header,
     show_chart,
 )
 
@@ -32,8 +32,7 @@ def flagged(frame: pl.DataFrame) -> pl.DataFrame:
 
 def latency(ctx: Context) -> None:
     """TTFT percentiles per prefix class, over time, and per replica; tails above 5x flagged."""
-    st.header(f"Latency: {ctx.scenario}")
-    provenance_note(ctx)
+    page_header(ctx, "Latency")
     if empty(ctx, "latency_tails"):
         return
     found = origin(ctx)

@@ -9,7 +9,7 @@ from kvlens.dashboards import analyses, charts
 from kvlens.dashboards.common import (
     Context,
     empty,
-    provenance_note,
+    page_header,
     show_chart,
 )
 from kvlens.dashboards.queries import (
@@ -22,8 +22,7 @@ __all__ = ["misses"]
 
 def misses(ctx: Context) -> None:
     """Drill from an outcome to the replicas, to the requests, to the blocks behind it."""
-    st.header(f"Misses: {ctx.scenario}")
-    provenance_note(ctx)
+    page_header(ctx, "Misses")
     if empty(ctx, "block_outcomes"):
         return
     totals = analyses.outcome_totals(ledger_by_outcome(ctx.cur, ctx.scenario, ctx.window))

@@ -15,7 +15,7 @@ from kvlens.dashboards.common import (
     fmt_ratio,
     label,
     origin,
-    provenance_note,
+    page_header,
     show_chart,
 )
 from kvlens.dashboards.decisions import Decisions, decide
@@ -161,8 +161,7 @@ def _headline(ctx: Context) -> None:
 
 def overview(ctx: Context) -> None:
     """Hit ratios, the ledger by outcome per replica, the trend over time, the worst tail."""
-    st.header(f"Overview: {ctx.scenario}")
-    provenance_note(ctx)
+    page_header(ctx, "Overview")
     if empty(ctx, "miss_ledger"):
         return
     decision(ctx)  # the report's first screen, in its order; the whole selected range follows

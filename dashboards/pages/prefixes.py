@@ -5,7 +5,7 @@ from __future__ import annotations
 import streamlit as st
 
 from kvlens.dashboards import analyses, charts
-from kvlens.dashboards.common import Context, empty, provenance_note, show_chart
+from kvlens.dashboards.common import Context, empty, page_header, show_chart
 
 __all__ = ["prefixes"]
 
@@ -15,8 +15,7 @@ _TOP_PREFIXES = 20
 
 def prefixes(ctx: Context) -> None:
     """Prefix groups ranked by the expected benefit of publishing them, with the reasons."""
-    st.header(f"Prefixes: {ctx.scenario}")
-    provenance_note(ctx)
+    page_header(ctx, "Prefixes")
     st.caption("The ranking covers the whole scenario: the time window does not apply here.")
     if empty(ctx, "prefix_ranking"):
         return

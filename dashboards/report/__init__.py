@@ -1,17 +1,9 @@
 """Dashboards: the nightly report (build.py assembles it, lead.py its first screen, render.py its HTML and
-text, mail.py its email), read from the analysis DB through the same layer as the dashboard."""
+text, mail.py its email), read from the analysis DB through the same layer as the dashboard.
 
-from kvlens.dashboards.report.build import (
-    DAY_NS,
-    Chart,
-    Report,
-    build_report,
-    parse_duration_ns,
-    png_size,
-    save_html,
-    write_report,
-)
+The package's API is build.py's: its ``__all__`` is the one list of what the package exports."""
 
-__all__ = [
-    "DAY_NS", "Chart", "Report", "build_report", "parse_duration_ns", "png_size", "save_html", "write_report",
-]
+from kvlens.dashboards.report import build
+from kvlens.dashboards.report.build import *  # noqa: F403
+
+__all__ = build.__all__
