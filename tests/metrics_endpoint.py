@@ -35,7 +35,8 @@ class MetricsEndpoint:
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/metrics"
+        self.port = int(self.httpd.server_address[1])
+        self.url = f"http://127.0.0.1:{self.port}/metrics"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 

@@ -11,15 +11,14 @@ hit tokens must equal the engine's own `cached_tokens`.
 
 from __future__ import annotations
 
-import http.server
 import re
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from capture_lines import gateway_lines
 from click.testing import CliRunner
+from metrics_endpoint import MetricsEndpoint
 
 from kvlens.cli import cli
 from kvlens.query import query
@@ -28,28 +27,12 @@ CAPTURE = Path(__file__).parent / "data" / "vllm-cpu-capture"
 
 
 
-class _Metrics(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = (CAPTURE / "metrics.txt").read_bytes()
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: object) -> None:
-        pass
-
-
 @pytest.fixture(scope="module")
 def metrics_url() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Metrics)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.server_address[1]}/metrics"
-    server.shutdown()
-    server.server_close()
-    thread.join()
+    """The engine's /metrics, as the capture recorded it, on loopback."""
+    endpoint = MetricsEndpoint([(200, (CAPTURE / "metrics.txt").read_bytes(), 0.0)])
+    yield endpoint.url
+    endpoint.close()
 
 
 @pytest.fixture(scope="module")

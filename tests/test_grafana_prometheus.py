@@ -10,16 +10,15 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import pytest
+from metrics_endpoint import MetricsEndpoint
 from prometheus_client import start_http_server
 from test_grafana import VLLM_METRICS
 
@@ -38,22 +37,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class _Recorded(BaseHTTPRequestHandler):
-    """Serves a vLLM /metrics page recorded from a real engine (tests/data)."""
-
-    body = VLLM_METRICS[0].read_bytes()
-
-    def do_GET(self) -> None:
-        self.send_response(200)
-        self.send_header("Content-Type", "text/plain; version=0.0.4")
-        self.send_header("Content-Length", str(len(self.body)))
-        self.end_headers()
-        self.wfile.write(self.body)
-
-    def log_message(self, *_: Any) -> None:
-        pass
 
 
 def _api(port: int, path: str, **params: str) -> Any:
@@ -96,9 +79,7 @@ Stack = tuple[int, list[subprocess.Popen[bytes]], list[Path]]
 
 @pytest.fixture
 def stack(demo_workdir: Path, tmp_path: Path) -> Iterator[Stack]:
-    vllm = ThreadingHTTPServer(("127.0.0.1", 0), _Recorded)
-    vllm_thread = threading.Thread(target=vllm.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
-    vllm_thread.start()
+    vllm = MetricsEndpoint([(200, VLLM_METRICS[0].read_bytes(), 0.0)])  # recorded from a real engine
     metrics = CollectorMetrics()
     metrics.gaps.labels(replica="replica-0")  # the labelled children a running collector has
     metrics.lost_batches.labels(replica="replica-0")
@@ -107,7 +88,7 @@ def stack(demo_workdir: Path, tmp_path: Path) -> Iterator[Stack]:
     export_port, prom_port = _free_port(), _free_port()
     logs = [tmp_path / "export.log", tmp_path / "prometheus.log"]
     config = tmp_path / "prometheus.yml"
-    jobs = {"kvlens": export_port, "vllm": vllm.server_address[1], "collector": collector.server_address[1]}
+    jobs = {"kvlens": export_port, "vllm": vllm.port, "collector": collector.server_address[1]}
     config.write_text(json.dumps({  # JSON is YAML
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
         "rule_files": [str(RULES_YAML)],
@@ -129,10 +110,10 @@ def stack(demo_workdir: Path, tmp_path: Path) -> Iterator[Stack]:
     finally:
         for proc in procs:
             _stop(proc)
-        for server, thread in ((vllm, vllm_thread), (collector, collector_thread)):
-            server.shutdown()
-            server.server_close()
-            thread.join(10)
+        vllm.close()
+        collector.shutdown()
+        collector.server_close()
+        collector_thread.join(10)
 
 
 def _two_scrapes(port: int) -> Any:
