@@ -29,20 +29,37 @@ kernels' stack) is not implemented yet, so an ``appended`` scenario costs what a
 and only unchanged scenarios are cheap. Results are identical to a full analysis by construction.
 
 What continuing would take, per output table (the plan; none of it is built). Append-only per
-request once its replay state is known: ``block_outcomes`` (the replay of analyzers/replay.py,
-whose state is the residency bit masks per block row and location, the content/namespace maps, and
-``loc_grp``, today computed over the whole event stream, a look-ahead to remove first; a request's
-own stores after its arrival move its look-up, analyzers/admission.py, so requests within a lag of
-the watermark wait for the next run), ``request_ledger``, ``request_sources`` and ``reuse`` (the
-Fenwick tree and last slot per key of analyzers/reuse.py's stack kernels, per stream). Mergeable
-aggregates: ``miss_ledger``, ``flows`` (per window; the open one recomputed), ``tier_payoff``,
+request once its replay state is known: ``block_outcomes``, ``request_ledger``,
+``request_sources`` and ``reuse`` (the Fenwick tree and last slot per key of analyzers/reuse.py's
+stack kernels, per stream). ``block_outcomes`` is the hard one; the replay (analyzers/replay.py)
+carries the residency bit masks per block row and location, the copy counts, the content/namespace
+maps and the last removal per row, all savable as arrays, but four things in it read the whole
+stream today:
+
+- ``loc_grp``, the KV cache groups each location publishes, decides ``unobserved``: a location
+  that starts publishing (or a new group) changes earlier requests' outcomes, so such an increment
+  must rebuild in full (it is rare: a new replica or model);
+- analyzers/admission.py's run claims (a run of stores is claimed once, by the first request in
+  look-up order) and its set of single-group locations: both are state to carry;
+- a request with no run of its own keeps the time rule, a place in the past: while it is pending
+  at the watermark the next run must replay from its look-up, so the rule needs a bound on how
+  long after arrival a run can still be the request's admission (the engine admits within the
+  request's queue time) before continuing can be exact; that bound changes outcomes and goldens;
+- ``reusable`` (some earlier request needed the block) needs the set of block hashes needed so far.
+
+DESIGN.md section 7 computes the ledger past one machine the same way (per time window, the cache
+state carried across windows), so issue 17's ledger builds on this. Mergeable aggregates:
+``miss_ledger``, ``flows`` (per window; the open one recomputed), ``tier_payoff``,
 ``tier_reconciliation``, ``fanout``, the exact ``mrc`` histogram (SHARDS keeps its sample heap).
 Global, recomputed from stored rows: ``scenarios``, ``latency_tails`` (quantiles), ``warmup``,
 ``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``, ``hygiene``,
 ``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured on the
-2,000-request ``rr2`` lake of tests/bench/bench_incremental.py, one in-process analysis of 6.1 s:
-the ledger (block outcomes, request ledger, provenance) 3.1 s, flows 0.8 s, tier_payoff 0.7 s,
-reuse 0.45 s, warmup 0.3 s, the rest under 0.2 s each.
+4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, one warm in-process
+``analyze_scenario`` of 1.6 s: the ledger (block outcomes with admission, request ledger, gaps,
+provenance) 0.81 s, flows 0.24 s, reuse 0.15 s, isolation_findings 0.11 s, tier_payoff 0.09 s,
+warmup 0.06 s, prefix_ranking 0.05 s, ttl_coverage 0.04 s, the rest under 0.015 s each; a
+``kvlens analyze`` adds about 0.4 s around it (the lake's views and snapshot, the state, writing
+the DB).
 
 The state is the table ``kvlens_state`` of the analysis DB, written in the same file as the
 results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
