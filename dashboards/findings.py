@@ -14,11 +14,11 @@ import duckdb
 
 from kvlens.dashboards.formatting import fmt_bytes, fmt_ms, fmt_pct
 from kvlens.dashboards.provenance import Origin, origins, tagged
+from kvlens.dashboards.queries import headlines
 from kvlens.dashboards.read import Window, has_rows, rows
 from kvlens.dashboards.report_queries import (
     CAPACITY_FINDING_SQL,
     COLD_SHARE_SQL,
-    COMPARE_RATIOS_SQL,
     CROSSOVER_FINDING_SQL,
     FANOUT_FINDING_SQL,
     HYGIENE_FINDING_SQL,
@@ -69,7 +69,11 @@ def _ledger_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[Found]:
 
 
 def _compare_findings(con: duckdb.DuckDBPyConnection, p: Context) -> list[str]:
-    ranked = rows(con, COMPARE_RATIOS_SQL, p)
+    """The scenarios with the highest and the lowest token hit ratio (``Headline``'s, the one the
+    headline shows); a scenario none of whose replicas published KV events has none."""
+    totals = headlines(con, p["names"], Window(p["start_ns"], p["end_ns"]))
+    ranked = sorted(((s, h.token_hit_ratio) for s, h in totals.items() if h.token_hit_ratio is not None),
+                    key=lambda sr: (-sr[1], sr[0]))
     if len(ranked) < 2:
         return []
     (best, hi), (worst, lo) = ranked[0], ranked[-1]

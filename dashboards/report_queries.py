@@ -18,7 +18,6 @@ __all__ = [
     "CAPACITY_ACTION_SQL",
     "CAPACITY_FINDING_SQL",
     "COLD_SHARE_SQL",
-    "COMPARE_RATIOS_SQL",
     "CROSSOVER_FINDING_SQL",
     "CROSSOVER_POINTS_SQL",
     "FANOUT_FINDING_SQL",
@@ -133,13 +132,6 @@ WHERE a.scenario = $scenario AND a.replica = $replica AND a.outcome = $outcome
   AND {in_window("a.arrival_ns")}
   AND b.scenario <> $scenario AND list_contains($names, b.scenario)
 GROUP BY b.scenario ORDER BY b.scenario
-"""
-
-# Requests whose replica published no KV events have no hit ratio (their residency is unknown).
-COMPARE_RATIOS_SQL = f"""
-SELECT scenario, sum(hit_tokens) / sum(prompt_tokens) AS ratio FROM request_ledger
-WHERE {NAMES_IN_WINDOW} AND coalesce(unobserved_tokens, 0) = 0 GROUP BY ALL HAVING sum(prompt_tokens) > 0
-ORDER BY ratio DESC, scenario
 """
 
 COLD_SHARE_SQL = f"""

@@ -136,6 +136,22 @@ def test_headline_ratios_match_the_dashboards(tiny_db: Path) -> None:
     assert mine["b"].byte_hit_ratio == pytest.approx(theirs["byte_hit_ratio"]) == pytest.approx(1000 / 3500)
 
 
+def test_the_comparison_finding_uses_the_headlines_ratio(tiny_db: Path) -> None:
+    """b's r1 ran on a replica that published no KV events: the headline counts its 100 tokens as
+    unobserved, not hit (100 of 350 = 28.6%); the finding that ranks the scenarios says the same
+    number (it said 40.0%, leaving r1 out, beside a headline of 28.6%)."""
+    con = duckdb.connect(str(tiny_db))
+    try:
+        con.execute("UPDATE request_ledger SET unobserved_tokens = 100, miss_tokens = 0 "
+                    "WHERE scenario = 'b' AND request_id = 'r1'")
+    finally:
+        con.close()
+    text = build_report(tiny_db).text
+    assert re.search(r"^b\s+modelled\s+2\s+350\s+28\.6%", text, re.M)
+    assert ("b has the highest token hit ratio (28.6%, modelled), 28.6 points above a (0.0%, measured)."
+            in text)
+
+
 def test_scenario_filter(tiny_db: Path) -> None:
     text = build_report(tiny_db, scenarios=["b"]).text
     assert "Scenarios b;" in text and not re.search(r"^a\s", text, re.M)
