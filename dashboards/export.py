@@ -8,7 +8,9 @@ previous snapshot and sets ``kvlens_export_up`` to 0. Gauges:
     kvlens_prompt_bytes{outcome,replica,scenario}    their KV bytes
     kvlens_tail_partial_tokens{replica,scenario}     partial last blocks (recomputed by definition)
     kvlens_hit_ratio{replica,scenario,unit}          unit=tokens: hit tokens / prompt tokens; unit=bytes:
-                                                     hit bytes / (prompt tokens x KV bytes per token)
+                                                     hit bytes / (prompt tokens x KV bytes per token);
+                                                     absent where the replica published no KV events
+                                                     (its residency, so its ratio, is unknown)
     kvlens_export_up, kvlens_export_loaded_timestamp_seconds
 
 These totals cover the scenario's whole history; dashboards/export_windows.py adds the last
@@ -61,11 +63,15 @@ WITH h AS (
     FROM miss_ledger GROUP BY ALL
 ), p AS (
     SELECT scenario, coalesce(replica, '') AS replica, sum(prompt_tokens) AS prompt_tokens,
-           sum(tail_partial_tokens) AS tail_partial_tokens
+           sum(tail_partial_tokens) AS tail_partial_tokens,
+           sum(prompt_tokens) - sum(tail_partial_tokens) > sum(coalesce(unobserved_tokens, 0)) AS observed
     FROM request_ledger GROUP BY ALL
 )
-SELECT p.scenario, p.replica, coalesce(h.hit_tokens, 0) / nullif(p.prompt_tokens, 0) AS token_hit_ratio,
-       coalesce(h.hit_bytes, 0) / nullif(p.prompt_tokens * s.kv_bytes_per_token, 0) AS byte_hit_ratio,
+SELECT p.scenario, p.replica,
+       CASE WHEN p.observed THEN coalesce(h.hit_tokens, 0) / nullif(p.prompt_tokens, 0)
+       END AS token_hit_ratio,
+       CASE WHEN p.observed THEN coalesce(h.hit_bytes, 0) / nullif(p.prompt_tokens * s.kv_bytes_per_token, 0)
+       END AS byte_hit_ratio,
        p.tail_partial_tokens
 FROM p LEFT JOIN h USING (scenario, replica) LEFT JOIN scenarios s USING (scenario)
 ORDER BY 1, 2

@@ -57,6 +57,27 @@ def test_scrape_equals_sql_sums(demo_workdir: Path) -> None:
     assert got[("kvlens_export_up", ())] == 1.0
 
 
+def test_a_replica_without_kv_events_has_no_hit_ratio(tmp_path: Path) -> None:
+    """Scenario a's replica-1 published no KV events (r2's tokens unobserved): its ratio is unknown,
+    so no kvlens_hit_ratio series; it exported 0.0 before, a replica that seemed to miss everything.
+    replica-0 keeps its ratio, 0 of 100 tokens."""
+    db = make_tiny_db(tmp_path / "kvlens.duckdb")
+    con = duckdb.connect(str(db))
+    con.execute("UPDATE request_ledger SET unobserved_tokens = 200, miss_tokens = 0 "
+                "WHERE scenario = 'a' AND request_id = 'r2'")
+    con.close()
+    server, _, port = serve(db, port=0)
+    try:
+        got = scrape(port)
+    finally:
+        server.shutdown()
+        server.server_close()
+    for unit in ("tokens", "bytes"):
+        assert ("kvlens_hit_ratio", (("replica", "replica-1"), ("scenario", "a"), ("unit", unit))) not in got
+        assert got[("kvlens_hit_ratio", (("replica", "replica-0"), ("scenario", "a"), ("unit", unit)))] == 0.0
+    assert got[("kvlens_tail_partial_tokens", (("replica", "replica-1"), ("scenario", "a")))] == 50
+
+
 def test_a_new_db_file_is_served_at_the_next_scrape(tmp_path: Path) -> None:
     db = make_tiny_db(tmp_path / "kvlens.duckdb")
     server, _, port = serve(db, port=0)
