@@ -222,14 +222,17 @@ TREND_SQL = f"""
 SELECT make_timestamp(CAST((arrival_ns // $bucket_ns) * $bucket_ns // 1000 AS BIGINT)) AS bucket,
        count(*) AS requests, CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens,
        CAST(sum(hit_tokens) AS BIGINT) AS hit_tokens,
-       sum(hit_tokens) / nullif(sum(prompt_tokens), 0) AS token_hit_ratio
+       CASE WHEN sum(prompt_tokens) - sum(tail_partial_tokens) > sum(coalesce(unobserved_tokens, 0))
+            THEN sum(hit_tokens) / nullif(sum(prompt_tokens), 0) END AS token_hit_ratio
 FROM request_ledger WHERE scenario = $scenario AND {in_window("arrival_ns")}
 GROUP BY 1 ORDER BY 1
 """
 
 
 def trend(cur: duckdb.DuckDBPyConnection, scenario: str, window: Window, bucket_ns: int) -> pl.DataFrame:
-    """``bucket`` (datetime), ``requests``, ``prompt_tokens``, ``hit_tokens``, ``token_hit_ratio``."""
+    """``bucket`` (datetime), ``requests``, ``prompt_tokens``, ``hit_tokens``, ``token_hit_ratio``
+    (``Headline``'s rule per bucket: NULL where no prompt token ran on a replica that published KV
+    events, so a trace without events draws no line at 0%)."""
     return fetch(cur, TREND_SQL, window.params(scenario=scenario, bucket_ns=bucket_ns))
 
 

@@ -152,6 +152,25 @@ def test_the_comparison_finding_uses_the_headlines_ratio(tiny_db: Path) -> None:
             in text)
 
 
+def test_the_trend_has_no_ratio_where_nothing_was_observed(tiny_db: Path) -> None:
+    """a's r1 ran on a replica that published no KV events: its 1 s bucket has no token hit ratio
+    (it drew 0.0%, as if every block had missed); r2's bucket keeps its measured 0.0%."""
+    from kvlens.dashboards import queries
+    from kvlens.dashboards.read import Window, open_db
+
+    con = duckdb.connect(str(tiny_db))
+    con.execute("UPDATE request_ledger SET unobserved_tokens = 100, miss_tokens = 0 "
+                "WHERE scenario = 'a' AND request_id = 'r1'")
+    con.close()
+    con = open_db(tiny_db)
+    try:
+        frame = queries.trend(con, "a", Window(), 10**9)
+    finally:
+        con.close()
+    assert frame["requests"].to_list() == [1, 1]
+    assert frame["token_hit_ratio"].to_list() == [None, 0.0]
+
+
 def test_scenario_filter(tiny_db: Path) -> None:
     text = build_report(tiny_db, scenarios=["b"]).text
     assert "Scenarios b;" in text and not re.search(r"^a\s", text, re.M)
