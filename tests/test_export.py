@@ -27,14 +27,19 @@ def scrape(port: int) -> Samples:
             for family in text_string_to_metric_families(body) for s in family.samples}
 
 
-def test_scrape_equals_sql_sums(demo_workdir: Path) -> None:
-    db = demo_workdir / "kvlens.duckdb"
+def scrape_once(db: Path) -> Samples:
+    """Serve ``db`` on a free port, scrape it once, stop."""
     server, _, port = serve(db, port=0)
     try:
-        got = scrape(port)
+        return scrape(port)
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_scrape_equals_sql_sums(demo_workdir: Path) -> None:
+    db = demo_workdir / "kvlens.duckdb"
+    got = scrape_once(db)
     _, ledger = query("SELECT scenario, replica, outcome::VARCHAR, sum(tokens), sum(bytes) FROM miss_ledger "
                       "GROUP BY ALL", db=db)
     assert len(ledger) >= 24
@@ -66,12 +71,7 @@ def test_a_replica_without_kv_events_has_no_hit_ratio(tmp_path: Path) -> None:
     con.execute("UPDATE request_ledger SET unobserved_tokens = 200, miss_tokens = 0 "
                 "WHERE scenario = 'a' AND request_id = 'r2'")
     con.close()
-    server, _, port = serve(db, port=0)
-    try:
-        got = scrape(port)
-    finally:
-        server.shutdown()
-        server.server_close()
+    got = scrape_once(db)
     for unit in ("tokens", "bytes"):
         assert ("kvlens_hit_ratio", (("replica", "replica-1"), ("scenario", "a"), ("unit", unit))) not in got
         assert got[("kvlens_hit_ratio", (("replica", "replica-0"), ("scenario", "a"), ("unit", unit)))] == 0.0
