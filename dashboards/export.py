@@ -40,6 +40,7 @@ from kvlens.dashboards.export_windows import (
     load_windows,
     window_families,
 )
+from kvlens.dashboards.queries import OBSERVED_SQL
 from kvlens.dashboards.read import open_db
 from kvlens.schema import HIT_OUTCOMES_SQL
 
@@ -64,7 +65,7 @@ WITH h AS (
 ), p AS (
     SELECT scenario, coalesce(replica, '') AS replica, sum(prompt_tokens) AS prompt_tokens,
            sum(tail_partial_tokens) AS tail_partial_tokens,
-           sum(prompt_tokens) - sum(tail_partial_tokens) > sum(coalesce(unobserved_tokens, 0)) AS observed
+           {OBSERVED_SQL} AS observed
     FROM request_ledger GROUP BY ALL
 )
 SELECT p.scenario, p.replica,

@@ -18,6 +18,7 @@ from kvlens.schema import HIT_OUTCOMES_SQL
 
 __all__ = [
     "NAMES_IN_WINDOW",
+    "OBSERVED_SQL",
     "Headline",
     "LedgerRow",
     "headlines",
@@ -39,6 +40,10 @@ __all__ = [
 # The bucket widths a trend may use; the first that gives at most _MAX_BUCKETS points wins.
 _BUCKETS_NS = tuple(m * 60 * 10**9 for m in (1, 5, 15, 60, 360, 1440))
 _MAX_BUCKETS = 30
+
+# Headline.observed over request_ledger rows, for queries that aggregate their own groups (a trend's
+# buckets, the exporter's replicas): some prompt token ran on a replica that published KV events.
+OBSERVED_SQL = "sum(prompt_tokens) - sum(tail_partial_tokens) > sum(coalesce(unobserved_tokens, 0))"
 
 SCENARIOS_SQL = """
 SELECT scenario, model, kv_bytes_per_token, requests, needed_blocks FROM scenarios ORDER BY scenario
@@ -100,7 +105,8 @@ class Headline:
 
     @property
     def observed(self) -> bool:
-        """Some prompt token ran on a replica that published KV events (else no ratio is known)."""
+        """Some prompt token ran on a replica that published KV events (else no ratio is known); in
+        SQL, ``OBSERVED_SQL``."""
         return self.prompt_tokens - self.tail_partial_tokens > self.unobserved_tokens
 
     @property
@@ -222,8 +228,7 @@ TREND_SQL = f"""
 SELECT make_timestamp(CAST((arrival_ns // $bucket_ns) * $bucket_ns // 1000 AS BIGINT)) AS bucket,
        count(*) AS requests, CAST(sum(prompt_tokens) AS BIGINT) AS prompt_tokens,
        CAST(sum(hit_tokens) AS BIGINT) AS hit_tokens,
-       CASE WHEN sum(prompt_tokens) - sum(tail_partial_tokens) > sum(coalesce(unobserved_tokens, 0))
-            THEN sum(hit_tokens) / nullif(sum(prompt_tokens), 0) END AS token_hit_ratio
+       CASE WHEN {OBSERVED_SQL} THEN sum(hit_tokens) / nullif(sum(prompt_tokens), 0) END AS token_hit_ratio
 FROM request_ledger WHERE scenario = $scenario AND {in_window("arrival_ns")}
 GROUP BY 1 ORDER BY 1
 """

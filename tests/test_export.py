@@ -10,7 +10,7 @@ import duckdb
 import pytest
 from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
-from tiny_analysis_db import make_tiny_db
+from tiny_analysis_db import make_tiny_db, mark_unobserved
 
 from kvlens.cli import cli
 from kvlens.dashboards.export import serve
@@ -67,10 +67,7 @@ def test_a_replica_without_kv_events_has_no_hit_ratio(tmp_path: Path) -> None:
     so no kvlens_hit_ratio series; it exported 0.0 before, a replica that seemed to miss everything.
     replica-0 keeps its ratio, 0 of 100 tokens."""
     db = make_tiny_db(tmp_path / "kvlens.duckdb")
-    con = duckdb.connect(str(db))
-    con.execute("UPDATE request_ledger SET unobserved_tokens = 200, miss_tokens = 0 "
-                "WHERE scenario = 'a' AND request_id = 'r2'")
-    con.close()
+    mark_unobserved(db, "a", "r2", 200)
     got = scrape_once(db)
     for unit in ("tokens", "bytes"):
         assert ("kvlens_hit_ratio", (("replica", "replica-1"), ("scenario", "a"), ("unit", unit))) not in got

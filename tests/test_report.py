@@ -17,7 +17,7 @@ from typing import Any
 import duckdb
 import pytest
 from click.testing import CliRunner
-from tiny_analysis_db import T0_NS, make_tiny_db
+from tiny_analysis_db import T0_NS, make_tiny_db, mark_unobserved
 
 from kvlens.cli import cli
 from kvlens.dashboards.report import Report, build_report, parse_duration_ns, png_size, write_report
@@ -140,12 +140,7 @@ def test_the_comparison_finding_uses_the_headlines_ratio(tiny_db: Path) -> None:
     """b's r1 ran on a replica that published no KV events: the headline counts its 100 tokens as
     unobserved, not hit (100 of 350 = 28.6%); the finding that ranks the scenarios says the same
     number (it said 40.0%, leaving r1 out, beside a headline of 28.6%)."""
-    con = duckdb.connect(str(tiny_db))
-    try:
-        con.execute("UPDATE request_ledger SET unobserved_tokens = 100, miss_tokens = 0 "
-                    "WHERE scenario = 'b' AND request_id = 'r1'")
-    finally:
-        con.close()
+    mark_unobserved(tiny_db, "b", "r1", 100)
     text = build_report(tiny_db).text
     assert re.search(r"^b\s+modelled\s+2\s+350\s+28\.6%", text, re.M)
     assert ("b has the highest token hit ratio (28.6%, modelled), 28.6 points above a (0.0%, measured)."
@@ -158,10 +153,7 @@ def test_the_trend_has_no_ratio_where_nothing_was_observed(tiny_db: Path) -> Non
     from kvlens.dashboards import queries
     from kvlens.dashboards.read import Window, open_db
 
-    con = duckdb.connect(str(tiny_db))
-    con.execute("UPDATE request_ledger SET unobserved_tokens = 100, miss_tokens = 0 "
-                "WHERE scenario = 'a' AND request_id = 'r1'")
-    con.close()
+    mark_unobserved(tiny_db, "a", "r1", 100)
     con = open_db(tiny_db)
     try:
         frame = queries.trend(con, "a", Window(), 10**9)

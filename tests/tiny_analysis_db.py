@@ -21,7 +21,7 @@ import duckdb
 from kvlens.lake import create_enum_types
 from kvlens.schema import ANALYSIS_TABLES
 
-__all__ = ["T0_NS", "make_tiny_db"]
+__all__ = ["T0_NS", "make_tiny_db", "mark_unobserved"]
 
 T0_NS = 1_735_689_600 * 10**9  # 2025-01-01T00:00:00Z
 _ASSUMED = "tiny simulator: TTFT = queue + prefill at a stated rate"
@@ -66,3 +66,13 @@ def make_tiny_db(path: Path) -> Path:
                     "ttft_ms) VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?, ?, ?)", _REQUESTS)
     con.close()
     return path
+
+
+def mark_unobserved(path: Path, scenario: str, request_id: str, tokens: int) -> None:
+    """Make ``tokens`` of a request's misses unobserved: it ran on a replica that published no KV events."""
+    con = duckdb.connect(str(path))
+    try:
+        con.execute("UPDATE request_ledger SET unobserved_tokens = ?, miss_tokens = 0 "
+                    "WHERE scenario = ? AND request_id = ?", [tokens, scenario, request_id])
+    finally:
+        con.close()
