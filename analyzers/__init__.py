@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import duckdb
 import polars as pl
@@ -23,7 +24,7 @@ from kvlens.analyzers.isolation import isolation_findings
 from kvlens.analyzers.join import join_sources
 from kvlens.analyzers.ledger import miss_ledger
 from kvlens.analyzers.mrc import mrc
-from kvlens.analyzers.outcomes import block_outcomes
+from kvlens.analyzers.outcomes import Ledger, Resume, block_outcomes, ledger_outcomes
 from kvlens.analyzers.provenance import scenario_provenance
 from kvlens.analyzers.ranking import prefix_ranking
 from kvlens.analyzers.reconcile import reconcile
@@ -35,13 +36,25 @@ from kvlens.analyzers.warmup import warmup
 from kvlens.models import ModelGeometry, group_bytes_per_token
 
 __all__ = [
-    "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity", "fanout", "flows",
-    "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger", "mrc", "prefix_ranking",
-    "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation", "ttl_coverage", "warmup",
+    "LedgerPlan", "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity",
+    "fanout", "flows", "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger", "mrc",
+    "prefix_ranking", "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation",
+    "ttl_coverage", "warmup",
 ]
 
 # SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
 SHARDS_RATE = 0.01
+
+
+@dataclass
+class LedgerPlan:
+    """How ``analyze_scenario`` computes the ledger: from ``resume`` where it can, and with a state
+    saved at a checkpoint before ``horizon_ns`` (analyzers/ledger_state.py); ``result`` is set
+    once the ledger is computed."""
+
+    horizon_ns: int | None = None
+    resume: Resume | None = None
+    result: Ledger | None = None
 
 
 def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
@@ -51,8 +64,8 @@ def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> 
 
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,
                      *, cache_tokens: int | None = None, join: Sequence[str] = (),
-                     metrics_from: str | None = None,
-                     model_source: str = "given") -> Iterator[tuple[str, pl.DataFrame]]:
+                     metrics_from: str | None = None, model_source: str = "given",
+                     ledger: LedgerPlan | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
     """Every analysis of ``scenario`` over the lake views on ``con``, as (table, frame) pairs.
 
     The lake relations are scoped to ``scenario`` here, once; the analyses read only what they are
@@ -63,7 +76,8 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     scenario holding the engines' scraped metrics (default: this one); when it has samples,
     ``reconciliation`` sets the engines' own hit counters beside the ledger. ``model_source``:
     where ``model`` came from, recorded in ``scenarios`` (``given``, ``requests`` or ``default``:
-    assumed because nothing named one), so every byte figure can say what it assumed.
+    assumed because nothing named one), so every byte figure can say what it assumed. ``ledger``:
+    continue the ledger from a saved state, and save one (``kvlens analyze``'s incremental runs).
     """
     per_token = model.kv_bytes_per_token()
     group_rates = group_bytes_per_token(model)
@@ -76,8 +90,12 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         joined, report = join_sources(requests=con.table("requests"), scenario=scenario, sources=join)
         yield "request_sources", report
         requests = con.from_arrow(joined.to_arrow())  # a relation on con, under no catalog name
-    outcomes = block_outcomes(requests=requests, request_blocks=blocks, kv_events=events, transfers=transfers,
-                              scenario=scenario, bytes_per_token=per_token, group_bytes_per_token=group_rates)
+    plan = ledger if ledger is not None else LedgerPlan()
+    plan.result = ledger_outcomes(
+        requests=requests, request_blocks=blocks, kv_events=events, transfers=transfers, scenario=scenario,
+        bytes_per_token=per_token, group_bytes_per_token=group_rates, horizon_ns=plan.horizon_ns,
+        resume=plan.resume)
+    outcomes = plan.result.frame
     gaps, clears = event_gaps(metric_samples=samples, kv_events=events)
     per_request = mark_incomplete(request_ledger(block_outcomes=outcomes, requests=requests), gaps, clears)
     origin = scenario_provenance(requests=requests, simulations=scenario_rows(con, "simulations", scenario))

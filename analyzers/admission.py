@@ -169,8 +169,9 @@ def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
 
 
 def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
-                   req_loc: np.ndarray, shared: int = -1) -> np.ndarray:
-    """Per request (``req``'s order): how many events of the sorted stream its look-up sees.
+                   req_loc: np.ndarray, shared: int = -1) -> tuple[np.ndarray, np.ndarray]:
+    """Per request (``req``'s order): how many events of the sorted stream its look-up sees, and
+    the stream place of the run it was anchored at (-1: it found none, -2: it keeps the time rule).
 
     ``ev`` holds the replay's sorted event arrays plus ``ev_seq`` (the batch) and ``ev_parent``
     (the row's parent hash, 0 for none), hashes as signed 64-bit. ``req`` has ``request_id``,
@@ -187,11 +188,12 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     # The batch of the admitting step is stamped after the request arrived.
     after = np.searchsorted(ts, req["arrival_ns"].to_numpy(), side="right")
     cuts = by_time.astype(np.int64)
+    owns = np.full(req.height, -2, np.int64)
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy() if "source" in req.columns \
         else np.zeros(req.height, np.bool_)
     candidates = np.isin(req_loc, np.fromiter(single, np.int64, len(single))) & ~simulated
     if not candidates.any():  # every request keeps the time rule (a simulator's, a hybrid model's)
-        return cuts
+        return cuts, owns
     chains = dict(full.sort("request_id", "position").group_by("request_id", maintain_order=True)
                   .agg(pl.col("block_hash_i64")).iter_rows())
     ids = req["request_id"].to_list()
@@ -203,6 +205,7 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     for i in anchored:
         chain = chains[ids[i]]
         own = _cut(ev, index, int(req_loc[i]), chain, int(after[i]), claimed)
+        owns[i] = own
         if own < 0:
             cuts[i] = _all_held(ev, index, int(req_loc[i]), chain, int(by_time[i]), claimed)
             continue
@@ -212,4 +215,4 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
         # rule is already exact there).
         if ts[own] > look[i] and not _crosses(ev["ev_loc"], int(by_time[i]), own, shared):
             cuts[i] = own
-    return cuts
+    return cuts, owns

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import duckdb
 import polars as pl
@@ -22,6 +22,9 @@ from kvlens.analysis_db import build_analysis_db
 from kvlens.analyzers import incremental
 from kvlens.errors import ConfigError, NoDataError
 from kvlens.models import DEFAULT_MODEL, ModelGeometry, get_model
+
+if TYPE_CHECKING:
+    from kvlens.analyzers import LedgerPlan
 
 __all__ = ["AnalyzeResult", "analyze_lake", "scenario_model"]
 
@@ -70,7 +73,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     """(Re)build ``db`` from ``lake``: every analysis of each of ``scenarios`` (default: all but the
     ``join`` sources), with ``model`` or each scenario's own (``scenario_model``). A scenario whose
     inputs are those the previous ``db`` recorded is copied from it unless ``full``."""
-    from kvlens.analyzers import analyze_scenario
+    from kvlens.analyzers import LedgerPlan, analyze_scenario
 
     done: list[str] = []
     models: list[tuple[str, str, str]] = []
@@ -101,8 +104,12 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                 if decision.mode == "carried":
                     incremental.carry_scenario(con, scenario)
                 else:
+                    plan = LedgerPlan(incremental.horizon(now), incremental.resume_of(con, scenario)
+                                      if decision.mode == "appended" else None)
                     yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
-                                                metrics_from=metrics_from, model_source=source)
+                                                metrics_from=metrics_from, model_source=source, ledger=plan)
+                    decision = _ledger_said(scenario, decision, plan)
+                    incremental.write_ledger(con, scenario, plan.result.state if plan.result else None)
                 incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
@@ -112,3 +119,19 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
 
     path = build_analysis_db(db, lake, compute)
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
+
+
+def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan) -> incremental.Decision:
+    """The decision, its reason extended with how the ledger of an appended scenario was computed."""
+    result = plan.result
+    if decision.mode != "appended" or result is None:
+        return decision
+    if plan.resume is None:
+        said = "ledger replayed in full: no saved state"
+    elif result.refused is not None:
+        said = f"ledger replayed in full: {result.refused}"
+    else:
+        said = (f"ledger continued from its checkpoint at {plan.resume.state.checkpoint_ns} ns, "
+                f"{result.replayed:,} requests replayed")
+    log.info("scenario %s: %s", scenario, said)
+    return incremental.Decision(decision.mode, f"{decision.reason}; {said}")

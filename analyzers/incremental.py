@@ -21,31 +21,25 @@ On the next ``kvlens analyze`` each chosen scenario is, in this order:
   collector that flushed late): the reason is logged;
 - ``carried``: its input segments are exactly those recorded: its rows are copied from the
   previous DB, unchanged (``analyzed_ns`` in ``scenarios`` keeps the time they were computed);
-- ``appended``: only new segments, none late: analyzed again over the whole scenario.
+- ``appended``: only new segments, none late: the ledger (``block_outcomes``) continues from the
+  state the previous DB saved at its checkpoint (analyzers/ledger_state.py), unless that state
+  does not cover the new data (then it is replayed in full, and the reason is logged); every other
+  analysis is computed again over the whole scenario.
 
-Every analysis of a scenario is today recomputed over the whole scenario when the scenario has
-new data; continuing the replay from a saved state (residency per block and replica, the reuse
-kernels' stack) is not implemented yet, so an ``appended`` scenario costs what a full one does,
-and only unchanged scenarios are cheap. Results are identical to a full analysis by construction.
+Results are identical to a full analysis by construction (tests/test_incremental.py and
+tests/test_ledger_resume.py compare them).
 
-What continuing would take, per output table (the plan; none of it is built). Append-only per
-request once its replay state is known: ``block_outcomes``, ``request_ledger``,
-``request_sources`` and ``reuse`` (the Fenwick tree and last slot per key of analyzers/reuse.py's
-stack kernels, per stream). ``block_outcomes`` is the hard one; the replay (analyzers/replay.py)
-carries the residency bit masks per block row and location, the copy counts, the content/namespace
-maps and the last removal per row, all savable as arrays, but four things in it read the whole
-stream today:
-
-- ``loc_grp``, the KV cache groups each location publishes, decides ``unobserved``: a location
-  that starts publishing (or a new group) changes earlier requests' outcomes, so such an increment
-  must rebuild in full (it is rare: a new replica or model);
-- analyzers/admission.py's run claims (a run of stores is claimed once, by the first request in
-  look-up order) and its set of single-group locations: both are state to carry;
-- a request with no run of its own keeps the time rule, a place in the past: while it is pending
-  at the watermark the next run must replay from its look-up, so the rule needs a bound on how
-  long after arrival a run can still be the request's admission (the engine admits within the
-  request's queue time) before continuing can be exact; that bound changes outcomes and goldens;
-- ``reusable`` (some earlier request needed the block) needs the set of block hashes needed so far.
+What continuing takes, per output table. ``block_outcomes`` continues (analyzers/ledger_state.py):
+the replay's residency bit masks per block row and location, copy counts, content/namespace maps
+and last removals are saved as arrays at a checkpoint, with the groups each location publishes
+(a location or group that starts publishing refuses the state) and the block hashes needed so far
+(``reusable``). Not built yet: analyzers/admission.py's run claims and the stores before the
+checkpoint that ``_all_held`` looks back at, so a scenario whose requests are anchored at their own
+stores replays in full; and a request with no run of its own stays open for ever (new stores can
+still be its run) unless the rule gets a bound on how long after arrival a run can still be the
+request's admission (the engine admits within the request's queue time), which would change
+outcomes and goldens. Append-only per request next: ``request_ledger``, ``request_sources`` and
+``reuse`` (the Fenwick tree and last slot per key of analyzers/reuse.py's stack kernels, per stream).
 
 DESIGN.md section 7 computes the ledger past one machine the same way (per time window, the cache
 state carried across windows), so issue 17's ledger builds on this. Mergeable aggregates:
@@ -54,20 +48,21 @@ state carried across windows), so issue 17's ledger builds on this. Mergeable ag
 Global, recomputed from stored rows: ``scenarios``, ``latency_tails`` (quantiles), ``warmup``,
 ``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``, ``hygiene``,
 ``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured on the
-4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, one warm in-process
-``analyze_scenario`` of 1.6 s: the ledger (block outcomes with admission, request ledger, gaps,
-provenance) 0.81 s, flows 0.24 s, reuse 0.15 s, isolation_findings 0.11 s, tier_payoff 0.09 s,
-warmup 0.06 s, prefix_ranking 0.05 s, ttl_coverage 0.04 s, the rest under 0.015 s each; a
-``kvlens analyze`` adds about 0.4 s around it (the lake's views and snapshot, the state, writing
-the DB).
+4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, the 6th of 6 increments (one
+in-process ``kvlens analyze`` of 1.94 s under cProfile, the ledger continued): the ledger 0.31 s
+(it replayed 1,113 of the 4,000 requests: a simulated fleet's queues put many look-ups after the
+checkpoint),
+flows 0.30 s, reuse 0.17 s, isolation_findings 0.14 s, tier_payoff 0.10 s, warmup 0.09 s,
+prefix_ranking 0.08 s, ttl_coverage 0.05 s, writing the DB 0.25 s.
 
-The state is the table ``kvlens_state`` of the analysis DB, written in the same file as the
-results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
+The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``, the ledger's
+replay state), written in the same file as the results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
 kill during an analysis leaves the previous DB and its state together.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -81,12 +76,15 @@ import duckdb
 import pyarrow.parquet as pq
 
 from kvlens.analysis_db import attach_analysis_db
+from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
+from kvlens.analyzers.outcomes import Resume
 from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import LAKE_TABLES, SCHEMA_VERSION, TABLES
 
 __all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "carry_scenario", "code_digest",
-           "decide", "detach_previous", "previous_state", "scenario_inputs", "snapshot", "write_state"]
+           "decide", "detach_previous", "horizon", "previous_state", "resume_of", "scenario_inputs",
+           "snapshot", "write_ledger", "write_state"]
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +94,7 @@ LATE_LAG_NS = 60 * 1_000_000_000
 STATE_TABLE = "kvlens_state"
 PREVIOUS = "kvlens_prev"  # the alias the previous analysis DB is attached under
 _STATE_COLUMNS = "scenario VARCHAR, config VARCHAR, segments VARCHAR, watermark_ns BIGINT, mode VARCHAR"
+_LEDGER_COLUMNS = "scenario VARCHAR, checkpoint_ns BIGINT, state BLOB"
 CREATE_STATE_SQL = f"CREATE TABLE IF NOT EXISTS {STATE_TABLE} ({_STATE_COLUMNS})"
 INSERT_STATE_SQL = f"INSERT INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?)"
 PREVIOUS_STATE_SQL = f"SELECT scenario, config, segments, watermark_ns FROM {PREVIOUS}.{STATE_TABLE}"
@@ -281,7 +280,47 @@ def carry_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> int:
             con.execute(f"INSERT INTO {table.name} ({cols}) SELECT {cols} FROM {PREVIOUS}.{table.name} "
                         "WHERE scenario = ?", [scenario])
             copied += n
+    write_ledger(con, scenario, None)
+    # (a previous DB without ledger states: the next appended analysis replays the ledger in full)
+    with contextlib.suppress(duckdb.Error):
+        con.execute(f"INSERT INTO {LEDGER_TABLE} SELECT * FROM {PREVIOUS}.{LEDGER_TABLE} WHERE scenario = ?",
+                    [scenario])
     return copied
+
+
+def horizon(inputs: Inputs) -> int | None:
+    """The time before which no row of the scenario can still arrive without a full rebuild: the
+    watermark less ``LATE_LAG_NS`` (``decide`` rebuilds on a segment older than that)."""
+    mark = inputs.watermark_ns
+    return None if mark is None else mark - LATE_LAG_NS
+
+
+def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
+    """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any."""
+    try:
+        rows = con.execute(f"SELECT state FROM {PREVIOUS}.{LEDGER_TABLE} WHERE scenario = ?",
+                           [scenario]).fetchall()
+    except duckdb.Error:
+        return None
+    if len(rows) != 1:
+        return None
+    try:
+        state = LedgerState.from_bytes(rows[0][0])
+    except (ValueError, KeyError, OSError) as e:
+        log.warning("scenario %s: the saved ledger state is unreadable (%s); replaying its ledger in full",
+                    scenario, e)
+        return None
+    previous = con.table(f"{PREVIOUS}.block_outcomes").filter(
+        duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
+    return Resume(state, previous)
+
+
+def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerState | None) -> None:
+    """Record the scenario's ledger state in the DB being built (``carry_scenario`` copies it)."""
+    con.execute(f"CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} ({_LEDGER_COLUMNS})")
+    if state is not None:
+        con.execute(f"INSERT INTO {LEDGER_TABLE} VALUES (?, ?, ?)",
+                    [scenario, state.checkpoint_ns, state.to_bytes()])
 
 
 def detach_previous(con: duckdb.DuckDBPyConnection) -> None:

@@ -16,13 +16,16 @@ or from the location ``pool``, live in the shared pool, whichever replica publis
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import duckdb
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.admission import admission_cuts
+from kvlens.analyzers.admission import SIMULATED, admission_cuts
+from kvlens.analyzers.ledger_state import LedgerState, checkpoint
 from kvlens.analyzers.replay import (
     OUTCOME_CODES,
     SRC_CPU,
@@ -33,11 +36,11 @@ from kvlens.analyzers.replay import (
     XFER_FAILED,
     XFER_NONE,
     XFER_OK,
-    replay_core,
+    replay_resume,
 )
 from kvlens.schema import Medium
 
-__all__ = ["POOL_LOCATION", "block_outcomes"]
+__all__ = ["POOL_LOCATION", "Ledger", "Resume", "block_outcomes", "ledger_outcomes"]
 
 # Replay tiers: 0 the GPU (and the pool's one tier, and an unknown medium), 1 CPU, 2 disk.
 _TIER_CODES = {Medium.CPU.value: 1, Medium.DISK.value: 2}
@@ -46,6 +49,8 @@ _ORIGINS = {SRC_GPU: Medium.GPU.value, SRC_CPU: Medium.CPU.value, SRC_DISK: Medi
 _KIND_CODES = {"stored": 0, "removed": 1, "cleared": 2}
 # The shared pool's location name (the simulator's pool replica, and where pool-medium events go).
 POOL_LOCATION = Medium.POOL.value
+# A request's look-up time in SQL (``_needed`` computes it in Polars).
+_LOOKUP_SQL = "(arrival_ns + CAST(round(coalesce(queue_ms, 0) * 1e6) AS BIGINT))"
 # vLLM's KVCacheSpecKind values with a sliding window (vllm/v1/kv_cache_interface.py).
 _SLIDING_KINDS = ("sliding_window", "sliding_window_mla")
 
@@ -57,9 +62,9 @@ def _u64_as_i64(series: pl.Series) -> np.ndarray:
 class _Codes:
     """Dense integer codes for names (replicas, namespaces); -1 for NULL when asked."""
 
-    def __init__(self) -> None:
-        self.names: list[str] = []
-        self.index: dict[str, int] = {}
+    def __init__(self, names: Sequence[str] = ()) -> None:
+        self.names: list[str] = list(names)
+        self.index: dict[str, int] = {name: i for i, name in enumerate(self.names)}
 
     def encode(self, values: pl.Series, *, null: int | None = None) -> np.ndarray:
         names = values.cast(pl.Utf8)
@@ -75,10 +80,11 @@ class _Codes:
         return [self.names[c] if c >= 0 else None for c in codes.tolist()]
 
 
-def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes,
-            spaces: _Codes) -> tuple[dict[str, np.ndarray], pl.DataFrame]:
-    """The replay core's event arrays, and each location's KV cache groups (location code,
-    group_idx, group code, sliding window tokens or 0)."""
+def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes, spaces: _Codes,
+            group_idx: Sequence[int] | None = None) -> tuple[dict[str, np.ndarray], pl.DataFrame, list[int]]:
+    """The replay core's event arrays (plus ``ev_stamp``, the event times), the events' KV cache
+    group specs in stream order (loc, group_idx, spec_kind, sliding_window_tokens) and the group
+    codes' group_idx (``group_idx`` when given: a group outside it raises ``_CannotContinue``)."""
     ev = kv_events.select("ts_ns", "seq", "replica", "kind", "block_hash", "parent_hash", "medium",
                           "content_hash", "namespace", "group_idx", "spec_kind", "sliding_window_tokens",
                           "remaining_copies").pl()
@@ -94,9 +100,15 @@ def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes,
     loc = locs.encode(ev.select(pl.when(pooled).then(pl.lit(POOL_LOCATION)).otherwise(ev["replica"]))
                       .to_series())
     ev = ev.with_columns(loc=pl.Series(loc, dtype=pl.Int32), group_idx=pl.col("group_idx").fill_null(0))
-    codes = {g: c for c, g in enumerate(sorted(set(ev["group_idx"].to_list()) or {0}))}
+    seen = sorted(set(ev["group_idx"].to_list()) or {0})
+    if group_idx is not None and not set(seen) <= set(group_idx):
+        raise _CannotContinue(f"KV cache group(s) {sorted(set(seen) - set(group_idx))} appeared")
+    known = list(group_idx) if group_idx is not None else seen
+    codes = {g: c for c, g in enumerate(known)}
+    ts = ev["ts_ns"].fill_null(0).to_numpy().astype(np.int64)
     return {
-        "ev_ts": ev["ts_ns"].fill_null(0).to_numpy().astype(np.int64),
+        "ev_ts": ts,
+        "ev_stamp": ts,
         "ev_kind": kind.astype(np.int8),
         "ev_loc": loc,
         "ev_tier": tier,
@@ -107,26 +119,32 @@ def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes,
         "ev_left": ev["remaining_copies"].fill_null(-1).to_numpy().astype(np.int64),
         "ev_seq": ev["seq"].fill_null(0).cast(pl.Int64).to_numpy(),
         "ev_parent": _u64_as_i64(ev["parent_hash"]),
-    }, _groups(ev, codes)
+    }, ev.select("loc", "group_idx", pl.col("spec_kind").cast(pl.Utf8), "sliding_window_tokens"), known
 
 
-def _groups(ev: pl.DataFrame, codes: dict[int, int]) -> pl.DataFrame:
-    """Per location and group: its code and the sliding window it published (0: full attention)."""
-    sliding = pl.col("spec_kind").is_in(_SLIDING_KINDS) & (pl.col("sliding_window_tokens") > 0)
-    return (ev.group_by("loc", "group_idx")
-            .agg(pl.col("spec_kind").cast(pl.Utf8).drop_nulls().first(),
-                 pl.col("sliding_window_tokens").drop_nulls().first())
-            .with_columns(code=pl.col("group_idx").replace_strict(codes, return_dtype=pl.Int32),
-                          window=pl.when(sliding).then(pl.col("sliding_window_tokens")).otherwise(0)
-                          .cast(pl.Int64))
-            .sort("loc", "group_idx"))
+def _firsts(specs: pl.DataFrame) -> pl.DataFrame:
+    """Per location and group_idx: the first spec kind and sliding window published (in stream order)."""
+    return (specs.group_by("loc", "group_idx", maintain_order=True)
+            .agg(pl.col("spec_kind").drop_nulls().first(),
+                 pl.col("sliding_window_tokens").drop_nulls().first()))
 
 
-def _windows(groups: pl.DataFrame, n_locs: int, n_groups: int) -> np.ndarray:
-    windows = np.zeros((n_locs, n_groups), np.int64)
-    for loc, code, window in groups.select("loc", "code", "window").iter_rows():
-        windows[loc, code] = window
+def _windows(firsts: pl.DataFrame, group_idx: Sequence[int], n_locs: int) -> np.ndarray:
+    """Per location and group code: the sliding window a group published (0: full attention)."""
+    windows = np.zeros((n_locs, len(group_idx)), np.int64)
+    codes = {g: c for c, g in enumerate(group_idx)}
+    for loc, g, kind, window in firsts.iter_rows():
+        if kind in _SLIDING_KINDS and window is not None and window > 0:
+            windows[loc, codes[g]] = window
     return windows
+
+
+def _loc_grp(ev: dict[str, np.ndarray], n_locs: int, n_groups: int) -> np.ndarray:
+    """Groups each location publishes (a clear names none)."""
+    loc_grp = np.zeros((n_locs, n_groups), np.bool_)
+    named = ev["ev_kind"] != 2
+    loc_grp[ev["ev_loc"][named], ev["ev_grp"][named]] = True
+    return loc_grp
 
 
 def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
@@ -164,17 +182,48 @@ def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRe
     return req, full
 
 
+class _CannotContinue(Exception):
+    """The saved ledger state does not cover this lake: the ledger is rebuilt in full (the message
+    says why)."""
+
+
 def _admitted(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
               locs: _Codes) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Requests and blocks with each look-up's place in the event stream (``cut``), in that order."""
+    """Requests (with ``cut``, the look-up's place in the event stream, and ``own``, admission's
+    run place) and blocks, in look-up order."""
     hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
-    cuts = admission_cuts(ev, req, hashed, locs.encode(req["replica"]), locs.index.get(POOL_LOCATION, -1))
-    req = (req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64))
-           .sort("cut", "lookup_ns", "arrival_ns", "request_id"))
+    cuts, own = admission_cuts(ev, req, hashed, locs.encode(req["replica"]),
+                               locs.index.get(POOL_LOCATION, -1))
+    return _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64), own=pl.Series(own, dtype=pl.Int64)),
+                    full)
+
+
+def _ordered(req: pl.DataFrame, full: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    req = req.sort("cut", "lookup_ns", "arrival_ns", "request_id")
     full = (full.join(req.select("request_id", "cut"), on="request_id")
             .sort("cut", "lookup_ns", "arrival_ns", "request_id", "position")
             .with_columns(reusable=~pl.col("block_hash").is_first_distinct()))
     return req, full
+
+
+@dataclass(frozen=True)
+class Resume:
+    """What ``ledger_outcomes`` continues from: the saved state and the previous ledger's rows
+    of the scenario (a relation in the order they were written)."""
+
+    state: LedgerState
+    previous: duckdb.DuckDBPyRelation
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """``ledger_outcomes``' result: every row, the state at the new checkpoint (when a horizon was
+    given) and, when a resume was asked for and refused, why (the rows are then a full replay's)."""
+
+    frame: pl.DataFrame
+    state: LedgerState | None
+    refused: str | None = None
+    replayed: int = 0  # requests replayed (the rest carried from the previous rows)
 
 
 def block_outcomes(
@@ -202,29 +251,201 @@ def block_outcomes(
     counts the groups that served it (a sliding-window group only the blocks of its window) and
     any other block every group of the request, which computes it.
     """
+    return ledger_outcomes(requests=requests, request_blocks=request_blocks, kv_events=kv_events,
+                           transfers=transfers, scenario=scenario, bytes_per_token=bytes_per_token,
+                           group_bytes_per_token=group_bytes_per_token).frame
+
+
+def ledger_outcomes(
+    *,
+    requests: duckdb.DuckDBPyRelation,
+    request_blocks: duckdb.DuckDBPyRelation,
+    kv_events: duckdb.DuckDBPyRelation,
+    transfers: duckdb.DuckDBPyRelation,
+    scenario: str,
+    bytes_per_token: int,
+    group_bytes_per_token: Sequence[int] | None = None,
+    horizon_ns: int | None = None,
+    resume: Resume | None = None,
+) -> Ledger:
+    """``block_outcomes``, continued from ``resume`` where its state covers the lake (else a full
+    replay, with the reason in ``refused``), and with the state at a new checkpoint at most
+    ``horizon_ns`` (analyzers/ledger_state.py) when given: the time before which no row can
+    still arrive (the watermark less the lateness the next analysis accepts)."""
+    refused = None
+    if resume is not None:
+        try:
+            return _continued(resume, requests=requests, request_blocks=request_blocks, kv_events=kv_events,
+                              transfers=transfers, scenario=scenario, bytes_per_token=bytes_per_token,
+                              group_bytes_per_token=group_bytes_per_token, horizon_ns=horizon_ns)
+        except _CannotContinue as e:
+            refused = str(e)
     req, full = _needed(requests, request_blocks, transfers)
     locs, spaces = _Codes(), _Codes()
-    ev, groups = _events(kv_events, locs, spaces)
+    ev, specs, group_idx = _events(kv_events, locs, spaces)
+    event_locs = len(locs.names)
     req, full = _admitted(ev, req, full, locs)
     req_loc = locs.encode(req["replica"])
     blk_ns = spaces.encode(full["namespace"], null=-1)
-    group_idx = sorted(set(groups["group_idx"].to_list())) or [0]
-    pool_loc = locs.index.get(POOL_LOCATION, -1)
     n_locs = max(len(locs.names), 1)
+    loc_grp = _loc_grp(ev, n_locs, len(group_idx))
+    windows = _windows(_firsts(specs), group_idx, n_locs)
+    mark = None
+    if horizon_ns is not None and not req["arrival_ns"].is_null().any():
+        mark = checkpoint(ev["ev_ts"], 0, None, horizon_ns, req["lookup_ns"].to_numpy(),
+                          req["cut"].to_numpy(), req["own"].to_numpy())
+    places = np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
+    outputs, saved = _replay(ev, places, req, full, req_loc, blk_ns, locs, loc_grp, windows,
+                             _empty_state(n_locs, len(group_idx)), mark[1] if mark else -1)
+    frame = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
+    state = None
+    if mark is not None:
+        prefix = specs.head(mark[1])
+        state = LedgerState(
+            checkpoint_ns=mark[0], events=mark[1], locations=tuple(locs.names), event_locations=event_locs,
+            prefix_locations=int(ev["ev_loc"][:mark[1]].max()) + 1 if mark[1] else 0,
+            namespaces=tuple(spaces.names), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
+            prefix_specs=json.dumps(_firsts(prefix).rows()), arrays=saved,
+            needed=_hashes(full.filter(pl.col("lookup_ns") < mark[0])),
+            settled_transfers=_settled_transfers(requests, transfers, mark[0]))
+    return Ledger(frame, state, refused, req.height)
+
+
+def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
+               kv_events: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, scenario: str,
+               bytes_per_token: int, group_bytes_per_token: Sequence[int] | None,
+               horizon_ns: int | None) -> Ledger:
+    """The ledger from ``resume``: its settled rows, and a replay of the requests from its
+    checkpoint on, from its state, over the events from the checkpoint on."""
+    st = resume.state
+    t_c = st.checkpoint_ns
+    # Every request that may look up from t_c on (SQL rounds half away from zero where Polars
+    # rounds half to even: one nanosecond of slack), split exactly once its look-up is computed.
+    recent = requests.filter(f"{_LOOKUP_SQL} >= {t_c - 1}")
+    ids = recent.select("request_id")
+    ((rows, distinct),) = recent.aggregate("count(*), count(DISTINCT request_id)").fetchall()
+    ((everywhere,),) = _only(requests, ids).aggregate("count(*)").fetchall()
+    if everywhere != rows or distinct != rows:
+        raise _CannotContinue(f"{everywhere - distinct} request row(s) repeat the id of a request after the "
+                              "checkpoint")
+    ((unknown,),) = (requests.filter(duckdb.ColumnExpression("arrival_ns").isnull())
+                     .aggregate("count(*)").fetchall())
+    if unknown:
+        raise _CannotContinue(f"{unknown} request(s) have no arrival time")
+    if _settled_transfers(requests, transfers, t_c) != st.settled_transfers:
+        raise _CannotContinue("a request settled at the checkpoint has a load stamped after it")
+    req, full = _needed(recent, _only(request_blocks, ids), _only(transfers, ids))
+    req = req.filter(pl.col("lookup_ns") >= t_c)
+    full = full.join(req.select("request_id"), on="request_id", how="semi")
+    locs, spaces = _Codes(st.locations), _Codes(st.namespaces)
+    ev, specs, group_idx = _events(kv_events.filter(duckdb.ColumnExpression("ts_ns") >= t_c), locs, spaces,
+                                   st.group_idx)
+    n_locs = st.loc_grp.shape[0]
+    if (ev["ev_loc"] >= st.event_locations).any():
+        raise _CannotContinue("a location started publishing KV events")
+    first_seen = [c for c in pl.Series(ev["ev_loc"]).unique(maintain_order=True).to_list()
+                  if c >= st.prefix_locations]
+    if first_seen != list(range(st.prefix_locations, st.event_locations)):
+        raise _CannotContinue("locations first seen after the checkpoint appear in another order")
+    req_loc = locs.encode(req["replica"])
+    if max(len(locs.names), 1) != n_locs:
+        raise _CannotContinue(f"new replica(s) {', '.join(locs.names[len(st.locations):])}")
+    loc_grp = _loc_grp(ev, n_locs, len(group_idx))
+    if (loc_grp & ~st.loc_grp).any():
+        raise _CannotContinue("a location published a KV cache group it had not")
+    prefix = pl.DataFrame(json.loads(st.prefix_specs), schema=_firsts(specs).schema, orient="row")
+    windows = _windows(_firsts(pl.concat([prefix, specs])), group_idx, n_locs)
+    if not np.array_equal(windows, st.windows):
+        raise _CannotContinue("a KV cache group's sliding window changed")
+    single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
+    simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy()
+    has_blocks = req["request_id"].is_in(full["request_id"].unique()).to_numpy()
+    anchored = int((np.isin(req_loc, single) & ~simulated & has_blocks).sum())
+    if anchored:
+        raise _CannotContinue(f"{anchored} request(s) after the checkpoint are admitted at their own stores "
+                              "(analyzers/admission.py): continuing admission's run claims is not built yet")
+    places = st.events + np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
+    cut = st.events + np.searchsorted(ev["ev_ts"], req["lookup_ns"].to_numpy(), side="left")
+    req, full = _ordered(req.with_columns(cut=pl.Series(cut, dtype=pl.Int64),
+                                          own=pl.lit(-2, dtype=pl.Int64)), full)
+    full = full.with_columns(reusable=pl.col("reusable") | pl.Series(_u64_as_i64(full["block_hash"]))
+                             .is_in(pl.Series(st.needed).implode()))
+    mark = None
+    if horizon_ns is not None:
+        mark = checkpoint(ev["ev_ts"], st.events, t_c, horizon_ns, req["lookup_ns"].to_numpy(),
+                          req["cut"].to_numpy(), req["own"].to_numpy())
+    outputs, saved = _replay(ev, places, req, full, locs.encode(req["replica"]),
+                             spaces.encode(full["namespace"], null=-1), locs, st.loc_grp, st.windows,
+                             st.arrays, mark[1] if mark else -1)
+    new = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
+    kept = (resume.previous.order("rowid").select(*new.columns).pl()
+            .filter(~pl.col("request_id").is_in(req["request_id"].implode())))
+    frame = pl.concat([kept.cast(dict(new.schema)), new])
+    state = None
+    if mark is not None:
+        local = mark[1] - st.events
+        state = LedgerState(
+            checkpoint_ns=mark[0], events=mark[1], locations=st.locations, event_locations=st.event_locations,
+            prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),
+            namespaces=tuple(spaces.names), group_idx=st.group_idx, loc_grp=st.loc_grp, windows=st.windows,
+            prefix_specs=json.dumps(_firsts(pl.concat([prefix, specs.head(local)])).rows()), arrays=saved,
+            needed=np.union1d(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
+            settled_transfers=_settled_transfers(requests, transfers, mark[0]))
+    return Ledger(frame, state, None, req.height)
+
+
+def _only(rel: duckdb.DuckDBPyRelation, ids: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
+    """The rows of ``rel`` whose request_id is among ``ids``'."""
+    return rel.set_alias("rows").join(ids.set_alias("ids"), "request_id", how="semi")
+
+
+def _empty_state(n_locs: int, n_groups: int) -> tuple[np.ndarray, ...]:
+    words = (3 * n_locs * n_groups + 62) // 63  # analyzers/replay.py's bit words per row
+    no = np.zeros(0, np.int64)
+    bits = np.zeros((0, words), np.int64)
+    return (no, bits, bits.copy(), no, no, no, no, no, no, no, no)
+
+
+def _hashes(full: pl.DataFrame) -> np.ndarray:
+    return np.unique(_u64_as_i64(full["block_hash"]))
+
+
+def _settled_transfers(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation,
+                       t_c: int) -> int:
+    """Loads (``_needed``'s: a block the serving replica received) stamped from ``t_c`` on for
+    requests that may look up before it (with the slack of ``_LOOKUP_SQL``'s rounding: a superset
+    of the settled ones)."""
+    settled = requests.filter(f"{_LOOKUP_SQL} < {t_c + 1}").select("request_id", "replica").set_alias("r")
+    loads = (transfers.filter(duckdb.ColumnExpression("ts_ns") >= t_c).set_alias("t")
+             .join(settled, "t.request_id = r.request_id AND t.block_hash IS NOT NULL "
+                            "AND (t.replica IS NULL OR t.replica = r.replica)"))
+    ((n,),) = loads.aggregate("count(*)").fetchall()
+    return int(n)
+
+
+def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, full: pl.DataFrame,
+            req_loc: np.ndarray, blk_ns: np.ndarray, locs: _Codes, loc_grp: np.ndarray, windows: np.ndarray,
+            state: tuple[np.ndarray, ...], snap: int) -> tuple[tuple[np.ndarray, ...], ...]:
+    """The compiled replay of ``req``'s look-ups (in order) at their stream places ``cut``."""
     counts = full.group_by("request_id", maintain_order=True).len()
     per_req = (req.join(counts, on="request_id", how="left", maintain_order="left")["len"]
                .fill_null(0).to_numpy())
     req_off = np.concatenate([[0], np.cumsum(per_req)]).astype(np.int64)
-    # The core compares look-up times with event times: handing it stream places for both
-    # makes each look-up see exactly the events before its admission (analyzers/admission.py).
-    places = np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
-    out, holder, rem_place, rem_loc, other_ns, cut, groups_served, source = replay_core(
-        places, ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"], ev["ev_c"],
-        ev["ev_ns"], ev["ev_left"], req["cut"].to_numpy().astype(np.int64), req_loc,
+    # The core compares look-up places with event places: each look-up sees exactly the events
+    # before its admission (analyzers/admission.py); removals record the events' times.
+    return replay_resume(
+        places, ev["ev_stamp"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"],
+        ev["ev_c"], ev["ev_ns"], ev["ev_left"], req["cut"].to_numpy().astype(np.int64), req_loc,
         req["tail"].to_numpy().astype(np.bool_), req["block_size"].to_numpy().astype(np.int64), req_off,
         _u64_as_i64(full["block_hash"]), _u64_as_i64(full["content_hash"]), blk_ns,
-        full["xfer"].to_numpy().astype(np.int8), n_locs, pool_loc, _windows(groups, n_locs, len(group_idx)))
-    rem_ts = np.where(rem_place >= 0, ev["ev_ts"][np.maximum(rem_place, 0)], -1) if len(places) else rem_place
+        full["xfer"].to_numpy().astype(np.int8), loc_grp.shape[0], locs.index.get(POOL_LOCATION, -1), windows,
+        loc_grp, state, snap)
+
+
+def _frame(scenario: str, full: pl.DataFrame, outputs: tuple[np.ndarray, ...], group_idx: Sequence[int],
+           bytes_per_token: int, group_bytes_per_token: Sequence[int] | None, locs: _Codes,
+           spaces: _Codes) -> pl.DataFrame:
+    out, holder, rem_ts, rem_loc, other_ns, cut, groups_served, source = outputs
     outcome_names = [o.value for o in OUTCOME_CODES]
     return pl.DataFrame({
         "scenario": [scenario] * len(full),
@@ -235,12 +456,12 @@ def block_outcomes(
         "block_hash": full["block_hash"],
         "outcome": [outcome_names[c] for c in out.tolist()],
         "tokens": full["block_tokens"],
-        "bytes": _bytes(full["block_tokens"], groups_served, group_idx, bytes_per_token,
+        "bytes": _bytes(full["block_tokens"], groups_served, list(group_idx), bytes_per_token,
                         group_bytes_per_token),
-        "holder": locs.decode(holder),
+        "holder": pl.Series(locs.decode(holder), dtype=pl.String),
         "removed_ns": pl.Series(rem_ts, dtype=pl.Int64).replace(-1, None),
-        "remover": locs.decode(rem_loc),
-        "key_diff": spaces.decode(other_ns),
+        "remover": pl.Series(locs.decode(rem_loc), dtype=pl.String),
+        "key_diff": pl.Series(spaces.decode(other_ns), dtype=pl.String),
         "cut_group": pl.Series(np.asarray(group_idx, np.int32)[np.maximum(cut, 0)], dtype=pl.Int32)
         .set(pl.Series(cut < 0), None),
         "reusable": full["reusable"],

@@ -50,7 +50,7 @@ from numba.typed import Dict
 from kvlens.schema import Outcome
 
 __all__ = ["OUTCOME_CODES", "SRC_CPU", "SRC_DISK", "SRC_GPU", "SRC_POOL", "SRC_TRANSFER", "XFER_FAILED",
-           "XFER_NONE", "XFER_OK", "replay_core"]
+           "XFER_NONE", "XFER_OK", "replay_core", "replay_resume"]
 
 OUTCOME_CODES: tuple[Outcome, ...] = tuple(Outcome)
 _HIT_LOCAL = OUTCOME_CODES.index(Outcome.HIT_LOCAL)
@@ -271,7 +271,95 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     ``loc_window[loc, g]`` is group g's sliding window on location ``loc`` in tokens, 0 for full
     attention (a fleet may mix models, so a group's spec is per location). A content
     hash of 0 and a namespace of -1 mean unknown. Requests are given in look-up-time order.
+    The replay starts from an empty cache; ``replay_resume`` continues one from a saved state.
     """
+    n_groups = loc_window.shape[1]
+    n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
+    loc_grp = np.zeros((n_locs, n_groups), np.bool_)  # groups a location publishes, in the whole stream
+    for e in range(ev_ts.shape[0]):
+        if ev_kind[e] != _CLEARED:
+            loc_grp[ev_loc[e], ev_grp[e]] = True
+    no = np.zeros(0, np.int64)
+    out, _ = replay_resume(ev_ts, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left,
+                           req_t, req_loc, req_tail, req_bs, req_off, blk_h, blk_c, blk_ns, blk_xfer,
+                           n_locs, pool_loc, loc_window, loc_grp,
+                           (no, np.zeros((0, n_words), np.int64), np.zeros((0, n_words), np.int64), no, no,
+                            no, no, no, no, no, no), -1)
+    return out
+
+
+@njit(cache=True)
+def _apply(k, upto, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp, masks, extra,
+           removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows, n_locs, n_groups):
+    """Events ``k`` to ``upto`` (exclusive) applied to the cache state; the new row count."""
+    n_slots = _TIERS * n_locs * n_groups
+    while k < upto:
+        kind, loc = ev_kind[k], np.int64(ev_loc[k])
+        if kind == _CLEARED:
+            _clear(masks, extra, n_rows, loc, ev_tier[k], ev_stamp[k], removed_ts, remover, n_locs,
+                   n_groups, copies)
+        else:
+            slot = (ev_grp[k] * n_locs + loc) * _TIERS + ev_tier[k]
+            row = _row(rows, ev_h[k])
+            if kind == _STORED:
+                if row < 0:  # a block never stored before: its first copy
+                    row = n_rows
+                    rows[ev_h[k]] = row
+                    n_rows += 1
+                    _set(masks, row, slot, True)
+                else:
+                    _store(masks, extra, row, slot, row * n_slots + slot, copies)
+                _note_content(c_first_ns, c_other_ns, ev_c[k], ev_ns[k])
+            elif row >= 0:
+                _remove(masks, extra, row, slot, row * n_slots + slot, ev_left[k], ev_stamp[k], loc,
+                        removed_ts, remover, copies)
+        k += 1
+    return n_rows
+
+
+@njit(cache=True)
+def _dict_of(keys, values):
+    d = Dict.empty(key_type=types.int64, value_type=types.int64)
+    for i in range(keys.shape[0]):
+        d[keys[i]] = values[i]
+    return d
+
+
+@njit(cache=True)
+def _arrays_of(d):
+    keys = np.empty(len(d), np.int64)
+    values = np.empty(len(d), np.int64)
+    for i, (key, value) in enumerate(d.items()):
+        keys[i], values[i] = key, value
+    return keys, values
+
+
+@njit(cache=True)
+def _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows):
+    """The cache state as arrays (``replay_resume``'s ``state``): a copy, the replay goes on."""
+    row_hash = np.empty(n_rows, np.int64)
+    for h, row in rows.items():
+        if row < n_rows:  # rows added later are not part of the snapshot
+            row_hash[row] = h
+    ck, cv = _arrays_of(copies)
+    fk, fv = _arrays_of(c_first_ns)
+    ok, ov = _arrays_of(c_other_ns)
+    return (row_hash, masks[:n_rows].copy(), extra[:n_rows].copy(), removed_ts[:n_rows].copy(),
+            remover[:n_rows].copy(), ck, cv, fk, fv, ok, ov)
+
+
+@njit(cache=True)
+def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left,
+                  req_t, req_loc, req_tail, req_bs, req_off,
+                  blk_h, blk_c, blk_ns, blk_xfer, n_locs, pool_loc, loc_window, loc_grp, state, snap):
+    """``replay_core`` continued from ``state``, the cache after some earlier events (a tuple of
+    arrays: each dense row's block hash, residency and extra-copy bit words, last removal time
+    and remover; the extra copies, and the content-to-namespace maps, as key and value arrays),
+    with ``loc_grp`` (the groups each location publishes, over the whole stream) given.
+
+    ``ev_ts`` orders (a look-up at ``t`` sees the events with ``ev_ts < t``); ``ev_stamp`` is the
+    time a removal records. Returns ``replay_core``'s outputs and, when ``snap`` >= 0, the state
+    after exactly the events with ``ev_ts < snap`` (else an empty one)."""
     n_blk = blk_h.shape[0]
     n_groups = loc_window.shape[1]
     out = np.full(n_blk, -1, np.int8)
@@ -283,20 +371,23 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     grp_mask = np.zeros(n_blk, np.int64)
     served = np.full(n_blk, -1, np.int8)
     n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
-    max_rows = max(int(np.sum(ev_kind == _STORED)), 1)  # a row per distinct stored block at most
+    row_hash, st_masks, st_extra, st_removed, st_remover, ck, cv, fk, fv, ok, ov = state
+    n_rows = row_hash.shape[0]
+    max_rows = max(n_rows + int(np.sum(ev_kind == _STORED)), 1)  # a row per distinct stored block at most
     masks = np.zeros((max_rows, n_words), np.int64)
     extra = np.zeros((max_rows, n_words), np.int64)  # slots holding more than one copy
     removed_ts = np.full(max_rows, -1, np.int64)
     remover = np.full(max_rows, -1, np.int64)
-    loc_grp = np.zeros((n_locs, n_groups), np.bool_)  # groups a location publishes, in the whole stream
-    for e in range(ev_ts.shape[0]):
-        if ev_kind[e] != _CLEARED:
-            loc_grp[ev_loc[e], ev_grp[e]] = True
+    masks[:n_rows] = st_masks
+    extra[:n_rows] = st_extra
+    removed_ts[:n_rows] = st_removed
+    remover[:n_rows] = st_remover
     rows = Dict.empty(key_type=types.int64, value_type=types.int64)
-    c_first_ns = Dict.empty(key_type=types.int64, value_type=types.int64)
-    c_other_ns = Dict.empty(key_type=types.int64, value_type=types.int64)
-    copies = Dict.empty(key_type=types.int64, value_type=types.int64)  # extra copies per (row, slot)
-    n_slots = _TIERS * n_locs * n_groups
+    for row in range(n_rows):
+        rows[row_hash[row]] = row
+    c_first_ns = _dict_of(fk, fv)
+    c_other_ns = _dict_of(ok, ov)
+    copies = _dict_of(ck, cv)  # extra copies per (row, slot)
     most = 1
     for i in range(req_t.shape[0]):
         most = max(most, req_off[i + 1] - req_off[i])
@@ -304,32 +395,26 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     brow = np.empty(most, np.int64)
     grp_on = np.zeros(n_groups, np.bool_)
     grp_need = np.zeros(n_groups, np.int64)
-    n_rows = 0
-    k = 0
     n_ev = ev_ts.shape[0]
+    snap_k = np.searchsorted(ev_ts, snap) if snap >= 0 else -1
+    saved = state  # replaced by the snapshot when one is asked for
+    k = 0
     for i in range(req_t.shape[0]):
         t = req_t[i]
-        while k < n_ev and ev_ts[k] < t:
-            kind, loc = ev_kind[k], np.int64(ev_loc[k])
-            if kind == _CLEARED:
-                _clear(masks, extra, n_rows, loc, ev_tier[k], ev_ts[k], removed_ts, remover, n_locs,
-                       n_groups, copies)
-            else:
-                slot = (ev_grp[k] * n_locs + loc) * _TIERS + ev_tier[k]
-                row = _row(rows, ev_h[k])
-                if kind == _STORED:
-                    if row < 0:  # a block never stored before: its first copy
-                        row = n_rows
-                        rows[ev_h[k]] = row
-                        n_rows += 1
-                        _set(masks, row, slot, True)
-                    else:
-                        _store(masks, extra, row, slot, row * n_slots + slot, copies)
-                    _note_content(c_first_ns, c_other_ns, ev_c[k], ev_ns[k])
-                elif row >= 0:
-                    _remove(masks, extra, row, slot, row * n_slots + slot, ev_left[k], ev_ts[k], loc,
-                            removed_ts, remover, copies)
-            k += 1
+        upto = k
+        while upto < n_ev and ev_ts[upto] < t:
+            upto += 1
+        if k <= snap_k <= upto:
+            n_rows = _apply(k, snap_k, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp,
+                            masks, extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows,
+                            n_locs, n_groups)
+            k = snap_k
+            saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows)
+            snap_k = -1
+        n_rows = _apply(k, upto, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp,
+                        masks, extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows,
+                        n_locs, n_groups)
+        k = upto
         b0, b1 = req_off[i], req_off[i + 1]
         n = b1 - b0
         if n == 0:
@@ -392,7 +477,12 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
             else:
                 _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfer, blk_c, blk_ns,
                       c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)
-    return out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served
+    if snap_k >= k:  # the snapshot place lies past every look-up
+        n_rows = _apply(k, snap_k, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp,
+                        masks, extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows,
+                        n_locs, n_groups)
+        saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows)
+    return (out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served), saved
 
 
 @njit(cache=True, inline="always")

@@ -31,7 +31,7 @@ def test_a_request_that_stored_nothing_looks_up_after_the_blocks_it_found() -> N
     # nothing; the step's batch is stamped after both arrived.
     ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 0, C, B)])
     req, full = _requests({"x": (10, [A, B, C]), "y": (20, [A, B])})
-    cuts = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    cuts, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert cuts.tolist() == [0, 2]  # x before its own run; y once A and B are held
 
 
@@ -40,5 +40,5 @@ def test_a_request_with_a_block_never_stored_keeps_its_time() -> None:
     # cached, so its look-up keeps its time (and the replay calls what it finds then).
     ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 1, B, 0), (200, 0, D, 0)])
     req, full = _requests({"x": (10, [A, B]), "y": (20, [A, B, C])})
-    cuts = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    cuts, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert cuts.tolist() == [0, 0]

@@ -11,9 +11,9 @@ PUBLIC = {
                "SchemaVersionError"},
     "kvlens.collector": {"FORMATS", "ImportResult", "import_files"},
     "kvlens.analyzers": {
-        "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity", "fanout",
-        "flows", "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger", "mrc",
-        "prefix_ranking", "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation",
+        "LedgerPlan", "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity",
+        "fanout", "flows", "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger",
+        "mrc", "prefix_ranking", "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation",
         "ttl_coverage", "warmup"},
     "kvlens.analyzers.analyze": {"AnalyzeResult", "analyze_lake", "scenario_model"},
     "kvlens.collector.imports": {"FORMATS", "LINE_FORMATS", "ImportResult", "import_files"},

@@ -27,6 +27,7 @@ from click.testing import CliRunner
 
 import kvlens.analyzers.outcomes as outcomes_mod
 from kvlens.analyzers import scenario_rows
+from kvlens.analyzers.replay import replay_core
 from kvlens.analyzers.simulate import SimConfig, simulate
 from kvlens.cli import cli
 from kvlens.collector.importer import import_files
@@ -58,17 +59,19 @@ def _lake(root: Path) -> Path:
 
 
 def _capture(lake: Path) -> tuple[Any, ...]:
-    """The replay core's arguments for scenario rr8, as block_outcomes builds them (the warm-up)."""
+    """The replay core's arguments for scenario rr8, as block_outcomes builds them (the warm-up):
+    it calls ``replay_resume`` (the core from a given state, here the empty one), whose arguments
+    are the core's plus the removal stamps, the groups per location, the state and a snapshot place."""
     captured: list[tuple[Any, ...]] = []
-    core = outcomes_mod.replay_core
+    resume = outcomes_mod.replay_resume
 
     def recording(*args: Any) -> Any:
-        captured.append(args)
-        return core(*args)
+        captured.append((args[0], *args[2:22]))
+        return resume(*args)
 
     con = duckdb.connect()
     open_lake(con, lake)
-    outcomes_mod.replay_core = recording  # type: ignore[assignment]
+    outcomes_mod.replay_resume = recording  # type: ignore[assignment]
     try:
         outcomes_mod.block_outcomes(
             requests=scenario_rows(con, "requests", "rr8"),
@@ -76,7 +79,7 @@ def _capture(lake: Path) -> tuple[Any, ...]:
             kv_events=scenario_rows(con, "kv_events", "rr8"),
             transfers=scenario_rows(con, "transfers", "rr8"), scenario="rr8", bytes_per_token=1)
     finally:
-        outcomes_mod.replay_core = core
+        outcomes_mod.replay_resume = resume
         con.close()
     return captured[0]
 
@@ -190,7 +193,7 @@ def _best_of(n: int, fn: Any, *args: Any) -> tuple[float, Any]:
 
 
 def main() -> bool:
-    core = outcomes_mod.replay_core
+    core = replay_core
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         lake = _lake(Path(tmp))

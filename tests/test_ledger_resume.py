@@ -1,0 +1,191 @@
+"""Tests for continuing the ledger from a saved state (analyzers/ledger_state.py, outcomes.ledger_outcomes).
+
+The lake is cut at a time x: the *old* lake holds every row stamped before x (rows without a time
+too), the *new* one every row. The ledger of the old lake, with a checkpoint at most x, continued
+over the new lake must equal the new lake's ledger replayed from the start, row for row, in order;
+where the state does not cover the new lake the continuation is refused, says why, and the rows
+are still a full replay's. Three lakes: a simulated fleet with a pool (the time rule: it
+continues), a real vLLM capture (requests anchored at their own stores: refused), a real hybrid
+capture (two KV cache groups: the time rule, it continues).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
+
+import duckdb
+import pytest
+from capture_lines import gateway_lines
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from incremental_lake import source_lake
+from polars.testing import assert_frame_equal
+
+from kvlens.analyzers.outcomes import Ledger, Resume, ledger_outcomes
+from kvlens.cli import cli
+from kvlens.lake import open_lake
+from kvlens.schema import TABLES
+
+DATA = Path(__file__).parent / "data"
+_TABLES = ("requests", "request_blocks", "kv_events", "transfers")
+
+
+class Lake(NamedTuple):
+    path: Path
+    scenario: str
+    first: int
+    last: int
+
+
+def _span(path: Path, scenario: str) -> Lake:
+    con = duckdb.connect()
+    try:
+        open_lake(con, path)
+        ((first, last),) = con.execute("SELECT min(arrival_ns), max(arrival_ns) FROM requests "
+                                       "WHERE scenario = ?", [scenario]).fetchall()
+    finally:
+        con.close()
+    return Lake(path, scenario, int(first), int(last))
+
+
+@pytest.fixture(scope="module")
+def simulated(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _span(source_lake(tmp_path_factory.mktemp("resume-sim"), requests=200), "rr2")
+
+
+def _captured(tmp: Path, capture: Path, model: str) -> Lake:
+    lake = tmp / "lake"
+    for args in (["import", "vllm-events", str(capture / "kv_events.frames.jsonl")],
+                 ["import", "gateway", str(gateway_lines(capture, tmp / "gateway.jsonl", model))]):
+        result = CliRunner().invoke(cli, [*args, "--scenario", "capture", "--lake", str(lake)])
+        assert result.exit_code == 0, result.output
+    return _span(lake, "capture")
+
+
+@pytest.fixture(scope="module")
+def captured(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _captured(tmp_path_factory.mktemp("resume-capture"), DATA / "vllm-cpu-capture", "tiny")
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _captured(tmp_path_factory.mktemp("resume-hybrid"), DATA / "vllm-cpu-hybrid-capture",
+                     "tiny-gemma2")
+
+
+@pytest.fixture
+def con() -> Iterator[duckdb.DuckDBPyConnection]:
+    c = duckdb.connect()
+    yield c
+    c.close()
+
+
+def _relations(con: duckdb.DuckDBPyConnection, lake: Lake, before: int | None,
+               extra: dict[str, str] | None = None) -> dict[str, duckdb.DuckDBPyRelation]:
+    """The scenario's rows of each table, only those stamped before ``before`` when given, and the
+    rows of the query ``extra[table]`` too."""
+    open_lake(con, lake.path)
+    out = {}
+    for name in _TABLES:
+        where = f"scenario = '{lake.scenario}'"
+        t = TABLES[name].time_column
+        if before is not None and t is not None:
+            where += f" AND coalesce({t}, -1) < {before}"
+        sql = f"SELECT * FROM {name} WHERE {where}"
+        if extra and name in extra:
+            sql += f" UNION ALL ({extra[name]})"
+        out[name] = con.sql(sql)
+    return out
+
+
+def _ledger(rel: dict[str, duckdb.DuckDBPyRelation], scenario: str, **kw: object) -> Ledger:
+    return ledger_outcomes(requests=rel["requests"], request_blocks=rel["request_blocks"],
+                           kv_events=rel["kv_events"], transfers=rel["transfers"], scenario=scenario,
+                           bytes_per_token=1000, **kw)  # type: ignore[arg-type]
+
+
+def _continued_and_full(con: duckdb.DuckDBPyConnection, lake: Lake, x: int,
+                        extra: dict[str, str] | None = None) -> tuple[Ledger, Ledger, Ledger]:
+    """(the old lake's ledger, the new one's continued from it, the new one's full replay)."""
+    old = _ledger(_relations(con, lake, x), lake.scenario, horizon_ns=x)
+    assert old.state is not None and old.state.checkpoint_ns <= x
+    con.register("old_frame", old.frame.to_arrow())
+    con.execute("CREATE OR REPLACE TABLE previous AS SELECT * FROM old_frame")  # a table: ordered by rowid
+    new = _relations(con, lake, None, extra)
+    resumed = _ledger(new, lake.scenario, resume=Resume(old.state, con.table("previous")))
+    full = _ledger(new, lake.scenario)
+    assert_frame_equal(resumed.frame, full.frame)
+    assert full.frame.height > old.frame.height
+    return old, resumed, full
+
+
+_CUTS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@_CUTS
+@given(at=st.floats(0.05, 0.95))
+def test_a_simulated_fleet_continues_from_any_cut(simulated: Lake, con: duckdb.DuckDBPyConnection,
+                                                  at: float) -> None:
+    x = simulated.first + round((simulated.last - simulated.first) * at)
+    _, resumed, full = _continued_and_full(con, simulated, x)
+    assert resumed.refused is None
+    assert resumed.replayed < full.replayed  # the settled requests were not replayed
+
+
+@_CUTS
+@given(at=st.floats(0.05, 0.95))
+def test_a_hybrid_capture_continues_from_any_cut(hybrid: Lake, con: duckdb.DuckDBPyConnection,
+                                                 at: float) -> None:
+    """Two KV cache groups: every request keeps the time rule, the state carries both groups."""
+    x = hybrid.first + round((hybrid.last - hybrid.first) * at)
+    _, resumed, full = _continued_and_full(con, hybrid, x)
+    assert resumed.refused is None
+    assert resumed.replayed < full.replayed
+
+
+@_CUTS
+@given(at=st.floats(0.05, 0.95))
+def test_a_capture_anchored_at_its_stores_is_replayed_in_full(captured: Lake, con: duckdb.DuckDBPyConnection,
+                                                              at: float) -> None:
+    """Requests admitted at their own stores need admission's run claims, which are not carried:
+    the continuation says so and replays everything (still equal)."""
+    x = captured.first + round((captured.last - captured.first) * at)
+    _, resumed, full = _continued_and_full(con, captured, x)
+    assert resumed.refused is not None and "admitted at their own stores" in resumed.refused
+    assert resumed.replayed == full.replayed
+
+
+def test_a_replica_that_starts_publishing_is_replayed_in_full(simulated: Lake,
+                                                              con: duckdb.DuckDBPyConnection) -> None:
+    """A new location changes the layout of the saved state (and who could hold a block)."""
+    x = (simulated.first + simulated.last) // 2
+    late = (f"SELECT * REPLACE ('replica-9' AS replica, {simulated.last} AS ts_ns) FROM kv_events "
+            f"WHERE scenario = '{simulated.scenario}' AND kind = 'stored' LIMIT 1")
+    _, resumed, _ = _continued_and_full(con, simulated, x, {"kv_events": late})
+    assert resumed.refused == "a location started publishing KV events"
+
+
+def test_a_new_group_is_replayed_in_full(simulated: Lake, con: duckdb.DuckDBPyConnection) -> None:
+    x = (simulated.first + simulated.last) // 2
+    late = (f"SELECT * REPLACE (1 AS group_idx, {simulated.last} AS ts_ns) FROM kv_events "
+            f"WHERE scenario = '{simulated.scenario}' AND kind = 'stored' LIMIT 1")
+    _, resumed, _ = _continued_and_full(con, simulated, x, {"kv_events": late})
+    assert resumed.refused == "KV cache group(s) [1] appeared"
+
+
+def test_a_late_load_of_a_settled_request_is_replayed_in_full(simulated: Lake,
+                                                             con: duckdb.DuckDBPyConnection) -> None:
+    """A load is part of a request's outcome: one stamped after the checkpoint for a request
+    settled before it means the settled rows may be wrong."""
+    x = (simulated.first + simulated.last) // 2
+    late = (f"SELECT t.* REPLACE ({simulated.last} AS ts_ns) FROM transfers t JOIN requests r "
+            f"ON t.request_id = r.request_id AND t.replica = r.replica AND t.scenario = r.scenario "
+            f"WHERE t.scenario = '{simulated.scenario}' AND r.arrival_ns < {simulated.first + 1} LIMIT 1")
+    open_lake(con, simulated.path)
+    assert con.sql(f"SELECT count(*) FROM ({late})").fetchall() == [(1,)]
+    _, resumed, _ = _continued_and_full(con, simulated, x, {"transfers": late})
+    assert resumed.refused == "a request settled at the checkpoint has a load stamped after it"
+
