@@ -56,8 +56,9 @@ flows 0.30 s, reuse 0.17 s, isolation_findings 0.14 s, tier_payoff 0.10 s, warmu
 prefix_ranking 0.08 s, ttl_coverage 0.05 s, writing the DB 0.25 s.
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``, the ledger's
-replay state), written in the same file as the results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
-kill during an analysis leaves the previous DB and its state together.
+replay state), written in the same file as the results (kvlens/analysis_db.py builds it under a
+temporary name and renames it into place), so a kill during an analysis leaves the previous DB
+and its state together.
 """
 
 from __future__ import annotations
