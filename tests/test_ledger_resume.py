@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 from incremental_lake import source_lake
 from polars.testing import assert_frame_equal
 
+from kvlens.analyzers.ledger_state import LedgerState
 from kvlens.analyzers.outcomes import Ledger, Resume, ledger_outcomes
 from kvlens.cli import cli
 from kvlens.lake import open_lake
@@ -115,7 +116,8 @@ def _continued_and_full(con: duckdb.DuckDBPyConnection, lake: Lake, x: int,
     con.register("old_frame", old.frame.to_arrow())
     con.execute("CREATE OR REPLACE TABLE previous AS SELECT * FROM old_frame")  # a table: ordered by rowid
     new = _relations(con, lake, None, extra)
-    resumed = _ledger(new, lake.scenario, resume=Resume(old.state, con.table("previous")))
+    saved = LedgerState.from_bytes(old.state.to_bytes())  # as the analysis DB keeps it
+    resumed = _ledger(new, lake.scenario, resume=Resume(saved, con.table("previous")))
     full = _ledger(new, lake.scenario)
     assert_frame_equal(resumed.frame, full.frame)
     assert full.frame.height > old.frame.height
