@@ -127,23 +127,16 @@ def _continued_and_full(con: duckdb.DuckDBPyConnection, lake: Lake, x: int,
 _CUTS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+@pytest.mark.parametrize("name", ["simulated", "hybrid"])
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
-def test_a_simulated_fleet_continues_from_any_cut(simulated: Lake, con: duckdb.DuckDBPyConnection,
-                                                  at: float) -> None:
-    x = simulated.first + round((simulated.last - simulated.first) * at)
-    _, resumed, full = _continued_and_full(con, simulated, x)
-    assert resumed.refused is None
-    assert resumed.replayed < full.replayed  # the settled requests were not replayed
-
-
-@_CUTS
-@given(at=st.floats(0.05, 0.95))
-def test_a_hybrid_capture_continues_from_any_cut(hybrid: Lake, con: duckdb.DuckDBPyConnection,
-                                                 at: float) -> None:
-    """Two KV cache groups: every request keeps the time rule, the state carries both groups."""
-    x = hybrid.first + round((hybrid.last - hybrid.first) * at)
-    _, resumed, full = _continued_and_full(con, hybrid, x)
+def test_a_lake_on_the_time_rule_continues_from_any_cut(name: str, request: pytest.FixtureRequest,
+                                                       con: duckdb.DuckDBPyConnection, at: float) -> None:
+    """The simulated fleet, and the hybrid capture (two KV cache groups: every request keeps the
+    time rule, the state carries both groups): the settled requests are not replayed."""
+    lake: Lake = request.getfixturevalue(name)
+    x = lake.first + round((lake.last - lake.first) * at)
+    _, resumed, full = _continued_and_full(con, lake, x)
     assert resumed.refused is None
     assert resumed.replayed < full.replayed
 
