@@ -16,6 +16,7 @@ or from the location ``pool``, live in the shared pool, whichever replica publis
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from kvlens.analyzers.replay import (
     XFER_FAILED,
     XFER_NONE,
     XFER_OK,
+    loc_groups,
     replay_resume,
 )
 from kvlens.schema import Medium
@@ -82,9 +84,9 @@ class _Codes:
 
 def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes, spaces: _Codes,
             group_idx: Sequence[int] | None = None) -> tuple[dict[str, np.ndarray], pl.DataFrame, list[int]]:
-    """The replay core's event arrays (plus ``ev_stamp``, the event times), the events' KV cache
-    group specs in stream order (loc, group_idx, spec_kind, sliding_window_tokens) and the group
-    codes' group_idx (``group_idx`` when given: a group outside it raises ``_CannotContinue``)."""
+    """The replay core's event arrays, the events' KV cache group specs in stream order (loc,
+    group_idx, spec_kind, sliding_window_tokens) and the group codes' group_idx (``group_idx`` when
+    given: a group outside it raises ``_CannotContinue``)."""
     ev = kv_events.select("ts_ns", "seq", "replica", "kind", "block_hash", "parent_hash", "medium",
                           "content_hash", "namespace", "group_idx", "spec_kind", "sliding_window_tokens",
                           "remaining_copies").pl()
@@ -105,10 +107,8 @@ def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes, spaces: _Codes,
         raise _CannotContinue(f"KV cache group(s) {sorted(set(seen) - set(group_idx))} appeared")
     known = list(group_idx) if group_idx is not None else seen
     codes = {g: c for c, g in enumerate(known)}
-    ts = ev["ts_ns"].fill_null(0).to_numpy().astype(np.int64)
     return {
-        "ev_ts": ts,
-        "ev_stamp": ts,
+        "ev_ts": ev["ts_ns"].fill_null(0).to_numpy().astype(np.int64),
         "ev_kind": kind.astype(np.int8),
         "ev_loc": loc,
         "ev_tier": tier,
@@ -137,14 +137,6 @@ def _windows(firsts: pl.DataFrame, group_idx: Sequence[int], n_locs: int) -> np.
         if kind in _SLIDING_KINDS and window is not None and window > 0:
             windows[loc, codes[g]] = window
     return windows
-
-
-def _loc_grp(ev: dict[str, np.ndarray], n_locs: int, n_groups: int) -> np.ndarray:
-    """Groups each location publishes (a clear names none)."""
-    loc_grp = np.zeros((n_locs, n_groups), np.bool_)
-    named = ev["ev_kind"] != 2
-    loc_grp[ev["ev_loc"][named], ev["ev_grp"][named]] = True
-    return loc_grp
 
 
 def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
@@ -288,7 +280,7 @@ def ledger_outcomes(
     req_loc = locs.encode(req["replica"])
     blk_ns = spaces.encode(full["namespace"], null=-1)
     n_locs = max(len(locs.names), 1)
-    loc_grp = _loc_grp(ev, n_locs, len(group_idx))
+    loc_grp = loc_groups(ev["ev_kind"], ev["ev_loc"], ev["ev_grp"], n_locs, len(group_idx))
     windows = _windows(_firsts(specs), group_idx, n_locs)
     mark = None
     if horizon_ns is not None and not req["arrival_ns"].is_null().any():
@@ -300,14 +292,11 @@ def ledger_outcomes(
     frame = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
     state = None
     if mark is not None:
-        prefix = specs.head(mark[1])
-        state = LedgerState(
-            checkpoint_ns=mark[0], events=mark[1], locations=tuple(locs.names), event_locations=event_locs,
-            prefix_locations=int(ev["ev_loc"][:mark[1]].max()) + 1 if mark[1] else 0,
-            namespaces=tuple(spaces.names), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
-            prefix_specs=json.dumps(_firsts(prefix).rows()), arrays=saved,
-            needed=_hashes(full.filter(pl.col("lookup_ns") < mark[0])),
-            settled_transfers=_settled_transfers(requests, transfers, mark[0]))
+        start = LedgerState(
+            checkpoint_ns=0, events=0, locations=tuple(locs.names), event_locations=event_locs,
+            prefix_locations=0, namespaces=(), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
+            prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0)
+        state = _next_state(start, mark, ev, specs, full, spaces, saved, requests, transfers)
     return Ledger(frame, state, refused, req.height)
 
 
@@ -347,14 +336,17 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
                   if c >= st.prefix_locations]
     if first_seen != list(range(st.prefix_locations, st.event_locations)):
         raise _CannotContinue("locations first seen after the checkpoint appear in another order")
+    places = st.events + np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
+    cut = st.events + np.searchsorted(ev["ev_ts"], req["lookup_ns"].to_numpy(), side="left")
+    req, full = _ordered(req.with_columns(cut=pl.Series(cut, dtype=pl.Int64),
+                                          own=pl.lit(-2, dtype=pl.Int64)), full)
     req_loc = locs.encode(req["replica"])
     if max(len(locs.names), 1) != n_locs:
         raise _CannotContinue(f"new replica(s) {', '.join(locs.names[len(st.locations):])}")
-    loc_grp = _loc_grp(ev, n_locs, len(group_idx))
+    loc_grp = loc_groups(ev["ev_kind"], ev["ev_loc"], ev["ev_grp"], n_locs, len(group_idx))
     if (loc_grp & ~st.loc_grp).any():
         raise _CannotContinue("a location published a KV cache group it had not")
-    prefix = pl.DataFrame(json.loads(st.prefix_specs), schema=_firsts(specs).schema, orient="row")
-    windows = _windows(_firsts(pl.concat([prefix, specs])), group_idx, n_locs)
+    windows = _windows(_firsts(pl.concat([_specs_of(st.prefix_specs, specs), specs])), group_idx, n_locs)
     if not np.array_equal(windows, st.windows):
         raise _CannotContinue("a KV cache group's sliding window changed")
     single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
@@ -364,34 +356,40 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     if anchored:
         raise _CannotContinue(f"{anchored} request(s) after the checkpoint are admitted at their own stores "
                               "(analyzers/admission.py): continuing admission's run claims is not built yet")
-    places = st.events + np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
-    cut = st.events + np.searchsorted(ev["ev_ts"], req["lookup_ns"].to_numpy(), side="left")
-    req, full = _ordered(req.with_columns(cut=pl.Series(cut, dtype=pl.Int64),
-                                          own=pl.lit(-2, dtype=pl.Int64)), full)
     full = full.with_columns(reusable=pl.col("reusable") | pl.Series(_u64_as_i64(full["block_hash"]))
                              .is_in(pl.Series(st.needed).implode()))
     mark = None
     if horizon_ns is not None:
         mark = checkpoint(ev["ev_ts"], st.events, t_c, horizon_ns, req["lookup_ns"].to_numpy(),
                           req["cut"].to_numpy(), req["own"].to_numpy())
-    outputs, saved = _replay(ev, places, req, full, locs.encode(req["replica"]),
-                             spaces.encode(full["namespace"], null=-1), locs, st.loc_grp, st.windows,
-                             st.arrays, mark[1] if mark else -1)
+    outputs, saved = _replay(ev, places, req, full, req_loc, spaces.encode(full["namespace"], null=-1), locs,
+                             st.loc_grp, st.windows, st.arrays, mark[1] if mark else -1)
     new = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
     kept = (resume.previous.order("rowid").select(*new.columns).pl()
             .filter(~pl.col("request_id").is_in(req["request_id"].implode())))
     frame = pl.concat([kept.cast(dict(new.schema)), new])
-    state = None
-    if mark is not None:
-        local = mark[1] - st.events
-        state = LedgerState(
-            checkpoint_ns=mark[0], events=mark[1], locations=st.locations, event_locations=st.event_locations,
-            prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),
-            namespaces=tuple(spaces.names), group_idx=st.group_idx, loc_grp=st.loc_grp, windows=st.windows,
-            prefix_specs=json.dumps(_firsts(pl.concat([prefix, specs.head(local)])).rows()), arrays=saved,
-            needed=np.union1d(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
-            settled_transfers=_settled_transfers(requests, transfers, mark[0]))
+    state = _next_state(st, mark, ev, specs, full, spaces, saved, requests, transfers) if mark else None
     return Ledger(frame, state, None, req.height)
+
+
+def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray], specs: pl.DataFrame,
+                full: pl.DataFrame, spaces: _Codes, arrays: tuple[np.ndarray, ...],
+                requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation) -> LedgerState:
+    """The state at checkpoint ``mark`` (time, stream place), from ``st`` (the one the replay started
+    at) and what the replay read after it: its events (``ev``, ``specs``) and blocks (``full``)."""
+    local = mark[1] - st.events  # events of ``ev`` before the new checkpoint
+    prefix = _specs_of(st.prefix_specs, specs)
+    return dataclasses.replace(
+        st, checkpoint_ns=mark[0], events=mark[1], namespaces=tuple(spaces.names), arrays=arrays,
+        prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),
+        prefix_specs=json.dumps(_firsts(pl.concat([prefix, specs.head(local)])).rows()),
+        needed=np.union1d(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
+        settled_transfers=_settled_transfers(requests, transfers, mark[0]))
+
+
+def _specs_of(saved: str, like: pl.DataFrame) -> pl.DataFrame:
+    """A state's ``prefix_specs`` as a frame of ``_firsts``' columns."""
+    return pl.DataFrame(json.loads(saved), schema=_firsts(like).schema, orient="row")
 
 
 def _only(rel: duckdb.DuckDBPyRelation, ids: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
@@ -434,7 +432,7 @@ def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, fu
     # The core compares look-up places with event places: each look-up sees exactly the events
     # before its admission (analyzers/admission.py); removals record the events' times.
     return replay_resume(
-        places, ev["ev_stamp"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"],
+        places, ev["ev_ts"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"],
         ev["ev_c"], ev["ev_ns"], ev["ev_left"], req["cut"].to_numpy().astype(np.int64), req_loc,
         req["tail"].to_numpy().astype(np.bool_), req["block_size"].to_numpy().astype(np.int64), req_off,
         _u64_as_i64(full["block_hash"]), _u64_as_i64(full["content_hash"]), blk_ns,

@@ -50,7 +50,7 @@ from numba.typed import Dict
 from kvlens.schema import Outcome
 
 __all__ = ["OUTCOME_CODES", "SRC_CPU", "SRC_DISK", "SRC_GPU", "SRC_POOL", "SRC_TRANSFER", "XFER_FAILED",
-           "XFER_NONE", "XFER_OK", "replay_core", "replay_resume"]
+           "XFER_NONE", "XFER_OK", "loc_groups", "replay_core", "replay_resume"]
 
 OUTCOME_CODES: tuple[Outcome, ...] = tuple(Outcome)
 _HIT_LOCAL = OUTCOME_CODES.index(Outcome.HIT_LOCAL)
@@ -275,10 +275,7 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
     """
     n_groups = loc_window.shape[1]
     n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
-    loc_grp = np.zeros((n_locs, n_groups), np.bool_)  # groups a location publishes, in the whole stream
-    for e in range(ev_ts.shape[0]):
-        if ev_kind[e] != _CLEARED:
-            loc_grp[ev_loc[e], ev_grp[e]] = True
+    loc_grp = loc_groups(ev_kind, ev_loc, ev_grp, n_locs, n_groups)
     no = np.zeros(0, np.int64)
     out, _ = replay_resume(ev_ts, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left,
                            req_t, req_loc, req_tail, req_bs, req_off, blk_h, blk_c, blk_ns, blk_xfer,
@@ -289,11 +286,22 @@ def replay_core(ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_l
 
 
 @njit(cache=True)
-def _apply(k, upto, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp, masks, extra,
-           removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows, n_locs, n_groups):
-    """Events ``k`` to ``upto`` (exclusive) applied to the cache state; the new row count."""
+def loc_groups(ev_kind, ev_loc, ev_grp, n_locs, n_groups):
+    """The KV cache groups each location publishes in the given events (a clear names none)."""
+    loc_grp = np.zeros((n_locs, n_groups), np.bool_)
+    for e in range(ev_kind.shape[0]):
+        if ev_kind[e] != _CLEARED:
+            loc_grp[ev_loc[e], ev_grp[e]] = True
+    return loc_grp
+
+
+@njit(cache=True)
+def _apply(k, upto, t, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp, masks,
+           extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows, n_locs, n_groups):
+    """Events from ``k`` on, before index ``upto`` and ordered before ``t``, applied to the cache
+    state; (the next event's index, the new row count)."""
     n_slots = _TIERS * n_locs * n_groups
-    while k < upto:
+    while k < upto and ev_ts[k] < t:
         kind, loc = ev_kind[k], np.int64(ev_loc[k])
         if kind == _CLEARED:
             _clear(masks, extra, n_rows, loc, ev_tier[k], ev_stamp[k], removed_ts, remover, n_locs,
@@ -314,7 +322,7 @@ def _apply(k, upto, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left
                 _remove(masks, extra, row, slot, row * n_slots + slot, ev_left[k], ev_stamp[k], loc,
                         removed_ts, remover, copies)
         k += 1
-    return n_rows
+    return k, n_rows
 
 
 @njit(cache=True)
@@ -398,23 +406,20 @@ def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c,
     n_ev = ev_ts.shape[0]
     snap_k = np.searchsorted(ev_ts, snap) if snap >= 0 else -1
     saved = state  # replaced by the snapshot when one is asked for
+    no_bound = np.iinfo(np.int64).max
     k = 0
     for i in range(req_t.shape[0]):
         t = req_t[i]
-        upto = k
-        while upto < n_ev and ev_ts[upto] < t:
-            upto += 1
-        if k <= snap_k <= upto:
-            n_rows = _apply(k, snap_k, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp,
-                            masks, extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows,
-                            n_locs, n_groups)
-            k = snap_k
+        # The snapshot comes first when every event before its place is ordered before t.
+        if snap_k >= k and (snap_k == 0 or ev_ts[snap_k - 1] < t):
+            k, n_rows = _apply(k, snap_k, no_bound, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c,
+                               ev_ns, ev_left, ev_stamp, masks, extra, removed_ts, remover, rows, copies,
+                               c_first_ns, c_other_ns, n_rows, n_locs, n_groups)
             saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows)
             snap_k = -1
-        n_rows = _apply(k, upto, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp,
-                        masks, extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows,
-                        n_locs, n_groups)
-        k = upto
+        k, n_rows = _apply(k, n_ev, t, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left,
+                           ev_stamp, masks, extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns,
+                           n_rows, n_locs, n_groups)
         b0, b1 = req_off[i], req_off[i + 1]
         n = b1 - b0
         if n == 0:
@@ -478,9 +483,9 @@ def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c,
                 _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfer, blk_c, blk_ns,
                       c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)
     if snap_k >= k:  # the snapshot place lies past every look-up
-        n_rows = _apply(k, snap_k, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left, ev_stamp,
-                        masks, extra, removed_ts, remover, rows, copies, c_first_ns, c_other_ns, n_rows,
-                        n_locs, n_groups)
+        k, n_rows = _apply(k, snap_k, no_bound, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns,
+                           ev_left, ev_stamp, masks, extra, removed_ts, remover, rows, copies, c_first_ns,
+                           c_other_ns, n_rows, n_locs, n_groups)
         saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows)
     return (out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served), saved
 
