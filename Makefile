@@ -7,7 +7,7 @@ DEMO_DIR ?= kvlens-demo
 
 VLLM_VENV := .venv-vllm
 
-.PHONY: venv browser prometheus vllm-env demo test test-integration bench fuzz lint schema-docs clean
+.PHONY: venv ray browser prometheus vllm-env demo test test-integration bench fuzz lint schema-docs clean
 
 venv: $(STAMP)
 
@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 demo: venv
 	$(VENV)/bin/kvlens demo --workdir $(DEMO_DIR)
 
-test: venv browser prometheus
+test: venv ray browser prometheus
 	$(PY) -m pytest
+
+# Ray, for the tests of kvlens analyze --ray (a local cluster of the machine's CPUs): the ray
+# extra, installed into the same venv only here (make demo does not need it).
+ray: venv
+	@$(PY) -c "import ray" 2>/dev/null || $(PY) -m pip install -q -e '.[ray]'
 
 # The dashboard's browser test drives Debian's Chromium through its ChromeDriver: installed here
 # when missing and this is a Debian root shell (as in CI); otherwise say what to install.

@@ -25,6 +25,7 @@ from kvlens.analyzers.join import join_sources
 from kvlens.analyzers.ledger import miss_ledger
 from kvlens.analyzers.mrc import mrc
 from kvlens.analyzers.outcomes import Ledger, Resume, block_outcomes, ledger_outcomes
+from kvlens.analyzers.partitions import Partitions
 from kvlens.analyzers.provenance import scenario_provenance
 from kvlens.analyzers.ranking import prefix_ranking
 from kvlens.analyzers.reconcile import reconcile
@@ -49,12 +50,13 @@ SHARDS_RATE = 0.01
 @dataclass
 class LedgerPlan:
     """How ``analyze_scenario`` computes the ledger: from ``resume`` where it can, and with a state
-    saved at a checkpoint before ``horizon_ns`` (analyzers/ledger_state.py); ``result`` is set
-    once the ledger is computed."""
+    saved at a checkpoint before ``horizon_ns`` (analyzers/ledger_state.py), or in ``partitions``
+    (a full replay, no state); ``result`` is set once the ledger is computed."""
 
     horizon_ns: int | None = None
     resume: Resume | None = None
     result: Ledger | None = None
+    partitions: Partitions | None = None  # replay in block-hash partitions (analyzers/partitions.py)
 
 
 def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
@@ -94,7 +96,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     plan.result = ledger_outcomes(
         requests=requests, request_blocks=blocks, kv_events=events, transfers=transfers, scenario=scenario,
         bytes_per_token=per_token, group_bytes_per_token=group_rates, horizon_ns=plan.horizon_ns,
-        resume=plan.resume)
+        resume=plan.resume, partitions=plan.partitions)
     outcomes = plan.result.frame
     gaps, clears = event_gaps(metric_samples=samples, kv_events=events)
     per_request = mark_incomplete(request_ledger(block_outcomes=outcomes, requests=requests), gaps, clears)

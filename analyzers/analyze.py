@@ -25,6 +25,7 @@ from kvlens.models import DEFAULT_MODEL, ModelGeometry, get_model
 
 if TYPE_CHECKING:
     from kvlens.analyzers import LedgerPlan
+    from kvlens.analyzers.partitions import Partitions
 
 __all__ = ["AnalyzeResult", "analyze_lake", "scenario_model"]
 
@@ -69,10 +70,13 @@ def scenario_model(con: duckdb.DuckDBPyConnection, scenario: str,
 def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scenarios: Sequence[str] = (),
                  model: ModelGeometry | None = None, *, cache_tokens: int | None = None,
                  join: Sequence[str] = (), metrics_from: str | None = None,
-                 progress: Progress | None = None, full: bool = False) -> AnalyzeResult:
+                 progress: Progress | None = None, full: bool = False,
+                 partitions: Partitions | None = None) -> AnalyzeResult:
     """(Re)build ``db`` from ``lake``: every analysis of each of ``scenarios`` (default: all but the
     ``join`` sources), with ``model`` or each scenario's own (``scenario_model``). A scenario whose
-    inputs are those the previous ``db`` recorded is copied from it unless ``full``."""
+    inputs are those the previous ``db`` recorded is copied from it unless ``full``. ``partitions``:
+    replay each analyzed scenario's ledger in block-hash partitions (analyzers/partitions.py), in
+    this process or on Ray; the outcomes are the same."""
     from kvlens.analyzers import LedgerPlan, analyze_scenario
 
     done: list[str] = []
@@ -105,7 +109,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     incremental.carry_scenario(con, scenario)
                 else:
                     plan = LedgerPlan(incremental.horizon(now), incremental.resume_of(con, scenario)
-                                      if decision.mode == "appended" else None)
+                                      if decision.mode == "appended" else None, partitions=partitions)
                     yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                                 metrics_from=metrics_from, model_source=source, ledger=plan)
                     decision = _ledger_said(scenario, decision, plan)
@@ -124,6 +128,11 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
 def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan) -> incremental.Decision:
     """The decision, its reason extended with how the ledger of an appended scenario was computed."""
     result = plan.result
+    if plan.partitions is not None:
+        said = (f"ledger replayed in {plan.partitions.count} block-hash partitions {plan.partitions.where}, "
+                "no state saved (the next analysis replays it in full)")
+        log.info("scenario %s: %s", scenario, said)
+        return incremental.Decision(decision.mode, f"{decision.reason}; {said}")
     if decision.mode != "appended" or result is None:
         return decision
     if plan.resume is None:

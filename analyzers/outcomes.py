@@ -27,6 +27,7 @@ import polars as pl
 
 from kvlens.analyzers.admission import SIMULATED, admission_cuts
 from kvlens.analyzers.ledger_state import LedgerState, checkpoint
+from kvlens.analyzers.partitions import Partitions, replay_partitioned
 from kvlens.analyzers.replay import (
     OUTCOME_CODES,
     SRC_CPU,
@@ -259,12 +260,17 @@ def ledger_outcomes(
     group_bytes_per_token: Sequence[int] | None = None,
     horizon_ns: int | None = None,
     resume: Resume | None = None,
+    partitions: Partitions | None = None,
 ) -> Ledger:
     """``block_outcomes``, continued from ``resume`` where its state covers the lake (else a full
     replay, with the reason in ``refused``), and with the state at a new checkpoint at most
     ``horizon_ns`` (analyzers/ledger_state.py) when given: the time before which no row can
-    still arrive (the watermark less the lateness the next analysis accepts)."""
+    still arrive (the watermark less the lateness the next analysis accepts). With
+    ``partitions``, a full replay in block-hash partitions (analyzers/partitions.py), which
+    neither continues a state nor saves one."""
     refused = None
+    if partitions is not None:
+        resume, horizon_ns = None, None
     if resume is not None:
         try:
             return _continued(resume, requests=requests, request_blocks=request_blocks, kv_events=kv_events,
@@ -288,7 +294,7 @@ def ledger_outcomes(
                           req["cut"].to_numpy(), req["own"].to_numpy())
     places = np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
     outputs, saved = _replay(ev, places, req, full, req_loc, blk_ns, locs, loc_grp, windows,
-                             _empty_state(n_locs, len(group_idx)), mark[1] if mark else -1)
+                             _empty_state(n_locs, len(group_idx)), mark[1] if mark else -1, partitions)
     frame = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
     state = None
     if mark is not None:
@@ -423,21 +429,25 @@ def _settled_transfers(requests: duckdb.DuckDBPyRelation, transfers: duckdb.Duck
 
 def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, full: pl.DataFrame,
             req_loc: np.ndarray, blk_ns: np.ndarray, locs: _Codes, loc_grp: np.ndarray, windows: np.ndarray,
-            state: tuple[np.ndarray, ...], snap: int) -> tuple[tuple[np.ndarray, ...], ...]:
-    """The compiled replay of ``req``'s look-ups (in order) at their stream places ``cut``."""
+            state: tuple[np.ndarray, ...], snap: int,
+            parts: Partitions | None = None) -> tuple[tuple[np.ndarray, ...], ...]:
+    """The compiled replay of ``req``'s look-ups (in order) at their stream places ``cut``; with
+    ``parts``, in block-hash partitions (analyzers/partitions.py: from an empty state, no snapshot)."""
     counts = full.group_by("request_id", maintain_order=True).len()
     per_req = (req.join(counts, on="request_id", how="left", maintain_order="left")["len"]
                .fill_null(0).to_numpy())
     req_off = np.concatenate([[0], np.cumsum(per_req)]).astype(np.int64)
     # The core compares look-up places with event places: each look-up sees exactly the events
     # before its admission (analyzers/admission.py); removals record the events' times.
-    return replay_resume(
-        places, ev["ev_ts"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"],
-        ev["ev_c"], ev["ev_ns"], ev["ev_left"], req["cut"].to_numpy().astype(np.int64), req_loc,
-        req["tail"].to_numpy().astype(np.bool_), req["block_size"].to_numpy().astype(np.int64), req_off,
-        _u64_as_i64(full["block_hash"]), _u64_as_i64(full["content_hash"]), blk_ns,
-        full["xfer"].to_numpy().astype(np.int8), loc_grp.shape[0], locs.index.get(POOL_LOCATION, -1), windows,
-        loc_grp, state, snap)
+    args = (places, ev["ev_ts"], ev["ev_kind"], ev["ev_loc"], ev["ev_tier"], ev["ev_grp"], ev["ev_h"],
+            ev["ev_c"], ev["ev_ns"], ev["ev_left"], req["cut"].to_numpy().astype(np.int64), req_loc,
+            req["tail"].to_numpy().astype(np.bool_), req["block_size"].to_numpy().astype(np.int64), req_off,
+            _u64_as_i64(full["block_hash"]), _u64_as_i64(full["content_hash"]), blk_ns,
+            full["xfer"].to_numpy().astype(np.int8), loc_grp.shape[0], locs.index.get(POOL_LOCATION, -1),
+            windows, loc_grp)
+    if parts is not None:
+        return replay_partitioned(*args, partitions=parts.count, run=parts.run), state
+    return replay_resume(*args, state, snap)
 
 
 def _frame(scenario: str, full: pl.DataFrame, outputs: tuple[np.ndarray, ...], group_idx: Sequence[int],

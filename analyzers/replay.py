@@ -68,6 +68,7 @@ _UNOBSERVED = OUTCOME_CODES.index(Outcome.UNOBSERVED)
 XFER_NONE, XFER_OK, XFER_FAILED = 0, 1, 2
 _STORED, _REMOVED, _CLEARED = 0, 1, 2
 _NO_NS = -1
+_PENDING = -2  # a miss whose cause is not found yet (``_decide``)
 # A block's best source in one group, slowest last; below _SRC_FAILED it is available. The
 # serving source of a hit is returned per block (``src`` below): SRC_GPU ... SRC_POOL.
 SRC_GPU, SRC_CPU, SRC_DISK, SRC_TRANSFER, SRC_POOL = 0, 1, 2, 3, 4
@@ -425,26 +426,10 @@ def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c,
         if n == 0:
             continue
         r = np.int64(req_loc[i])
-        n_on, n_full = 0, 0
-        for g in range(n_groups):
-            grp_on[g] = loc_grp[r, g]
-            if grp_on[g]:
-                n_on += 1
-                window = loc_window[r, g]
-                if window <= 0:
-                    grp_need[g] = 0
-                    n_full += 1
-                else:  # ceil((window - 1) / B), vLLM's _contiguous_blocks_for_hit without EAGLE
-                    grp_need[g] = max((window - 1 + req_bs[i] - 1) // req_bs[i], 1)
+        n_on, n_full, every, g0 = _groups(r, req_bs[i], loc_grp, loc_window, grp_on, grp_need)
         if n_on == 0:
             out[b0:b1] = _UNOBSERVED
             continue
-        every = np.int64(0)
-        g0 = -1
-        for g in range(n_groups):
-            if grp_on[g]:
-                every |= np.int64(1) << min(g, 62)
-                g0 = g
         if n_on == 1 and n_full == 1:
             _dense(b0, n, g0, r, req_tail[i], every, rows, masks, pool_loc, n_locs, n_words, n_groups, blk_h,
                    blk_xfer, blk_c, blk_ns, c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts,
@@ -456,38 +441,74 @@ def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c,
             for g in range(n_groups):
                 src[kk, g] = _source(masks, row, g, r, pool_loc, n_locs, blk_xfer[b0 + kk]) \
                     if grp_on[g] else _SRC_NONE
-        tail = req_tail[i]
-        hit, full, cut = _hybrid_hit(src, grp_on, grp_need, n_full, n if tail else n - 1)
-        # Every block held: by the full groups, or (no full group) the hit reaching the cap.
-        if n_full > 0:
-            whole = _full_chain(src, grp_on, grp_need, n, n) == n
-        else:
-            whole = hit == n - 1 and _all_on(src, grp_on, n - 1)
+        _decide(b0, n, req_tail[i], src, grp_on, grp_need, n_on, n_full, every, out, cut_grp, grp_mask,
+                served)
         for kk in range(n):
-            j = b0 + kk
-            if kk < hit:
-                best = SRC_GPU
-                mask = np.int64(0)
-                for g in range(n_groups):
-                    if grp_on[g] and (grp_need[g] == 0 or kk >= hit - grp_need[g]):
-                        best = max(best, src[kk, g])
-                        mask |= np.int64(1) << min(g, 62)
-                out[j], grp_mask[j], served[j] = _SRC_OUTCOME[best], mask, best
-                continue
-            grp_mask[j] = every
-            if kk == n - 1 and not tail and whole:
-                out[j] = _RECOMPUTED_LAST
-            elif n_full > 0 and n_on > n_full and kk < full:
-                out[j], cut_grp[j] = _GROUP, cut
-            else:
-                _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfer, blk_c, blk_ns,
-                      c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)
+            if out[b0 + kk] == _PENDING:
+                _miss(b0 + kk, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfer, blk_c,
+                      blk_ns, c_first_ns, c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc,
+                      other_ns)
     if snap_k >= k:  # the snapshot place lies past every look-up
         k, n_rows = _apply(k, snap_k, no_bound, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns,
                            ev_left, ev_stamp, masks, extra, removed_ts, remover, rows, copies, c_first_ns,
                            c_other_ns, n_rows, n_locs, n_groups)
         saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows)
     return (out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served), saved
+
+
+@njit(cache=True, inline="always")
+def _groups(r, bs, loc_grp, loc_window, grp_on, grp_need):
+    """Fills which KV cache groups a request on location ``r`` looks up (``grp_on``) and how many
+    contiguous blocks each sliding one needs (``grp_need``, 0 for full attention); returns (groups
+    on, full-attention groups on, their bit mask, the last group on)."""
+    n_on, n_full = 0, 0
+    every = np.int64(0)
+    g0 = -1
+    for g in range(loc_grp.shape[1]):
+        grp_on[g] = loc_grp[r, g]
+        if grp_on[g]:
+            n_on += 1
+            every |= np.int64(1) << min(g, 62)
+            g0 = g
+            window = loc_window[r, g]
+            if window <= 0:
+                grp_need[g] = 0
+                n_full += 1
+            else:  # ceil((window - 1) / B), vLLM's _contiguous_blocks_for_hit without EAGLE
+                grp_need[g] = max((window - 1 + bs - 1) // bs, 1)
+    return n_on, n_full, every, g0
+
+
+@njit(cache=True)
+def _decide(b0, n, tail, src, grp_on, grp_need, n_on, n_full, every, out, cut_grp, grp_mask, served):
+    """One request's hit from its blocks' sources (``src[0:n]``, a row per block): the hits, a
+    ``recomputed_last`` and the blocks another group cut short are decided here; every other block
+    is left ``_PENDING``, a miss whose cause the caller finds (``_miss``)."""
+    n_groups = grp_on.shape[0]
+    hit, full, cut = _hybrid_hit(src, grp_on, grp_need, n_full, n if tail else n - 1)
+    # Every block held: by the full groups, or (no full group) the hit reaching the cap.
+    if n_full > 0:
+        whole = _full_chain(src, grp_on, grp_need, n, n) == n
+    else:
+        whole = hit == n - 1 and _all_on(src, grp_on, n - 1)
+    for kk in range(n):
+        j = b0 + kk
+        if kk < hit:
+            best = SRC_GPU
+            mask = np.int64(0)
+            for g in range(n_groups):
+                if grp_on[g] and (grp_need[g] == 0 or kk >= hit - grp_need[g]):
+                    best = max(best, src[kk, g])
+                    mask |= np.int64(1) << min(g, 62)
+            out[j], grp_mask[j], served[j] = _SRC_OUTCOME[best], mask, best
+            continue
+        grp_mask[j] = every
+        if kk == n - 1 and not tail and whole:
+            out[j] = _RECOMPUTED_LAST
+        elif n_full > 0 and n_on > n_full and kk < full:
+            out[j], cut_grp[j] = _GROUP, cut
+        else:
+            out[j] = _PENDING
 
 
 @njit(cache=True, inline="always")
@@ -581,3 +602,110 @@ def _miss(j, kk, src, brow, masks, grp_on, r, pool_loc, n_words, n_locs, blk_xfe
             return
     _cause(j, brow[kk], masks, r, pool_loc, n_words, n_locs, grp_on.shape[0], blk_c, blk_ns, c_first_ns,
            c_other_ns, removed_ts, remover, out, holder, rem_ts, rem_loc, other_ns)
+
+
+# -- the replay in two phases (analyzers/partitions.py; docs/scale.md) ------------------------------
+# Phase 1 needs one block's events only, so it runs per block-hash partition; phase 2 needs one
+# request's blocks only, so it runs per request. Together they decide what ``replay_resume`` does.
+
+CAUSE_NONE, CAUSE_HELD, CAUSE_REMOVED, CAUSE_NEVER = 0, 1, 2, 3  # why a block is available nowhere
+
+
+@njit(cache=True)
+def block_states(ev_place, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_left,
+                 row_t, row_loc, blk_h, blk_xfer, n_locs, pool_loc, loc_grp):
+    """Phase 1: each needed block's state at its request's look-up, from the events of its own
+    hash (and every clear): per block row, its source in each group the request's location looks
+    up (a SRC_ code, ``_SRC_NONE`` for a group not looked up) and, when no group has it and no
+    load failed, why (``CAUSE_HELD`` with the holder, ``CAUSE_REMOVED`` with the last removal,
+    or ``CAUSE_NEVER``). Rows are given in look-up order (``row_t``, their request's place in
+    the stream: a row sees the events with ``ev_place < row_t``)."""
+    n_groups = loc_grp.shape[1]
+    n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
+    n_blk = blk_h.shape[0]
+    src = np.full((n_blk, n_groups), _SRC_NONE, np.int8)
+    cause = np.zeros(n_blk, np.int8)
+    holder = np.full(n_blk, -1, np.int32)
+    rem_ts = np.full(n_blk, -1, np.int64)
+    rem_loc = np.full(n_blk, -1, np.int32)
+    max_rows = max(int(np.sum(ev_kind == _STORED)), 1)
+    masks = np.zeros((max_rows, n_words), np.int64)
+    extra = np.zeros((max_rows, n_words), np.int64)
+    removed_ts = np.full(max_rows, -1, np.int64)
+    remover = np.full(max_rows, -1, np.int64)
+    none = np.zeros(0, np.int64)
+    rows = _dict_of(none, none)
+    copies = _dict_of(none, none)
+    c_first_ns = _dict_of(none, none)  # content is phase 2's (content_namespaces): left empty here
+    c_other_ns = _dict_of(none, none)
+    no_content = np.zeros(ev_kind.shape[0], np.int64)
+    n_rows = 0
+    k = 0
+    n_ev = ev_kind.shape[0]
+    for j in range(n_blk):
+        k, n_rows = _apply(k, n_ev, row_t[j], ev_place, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, no_content,
+                           no_content, ev_left, ev_stamp, masks, extra, removed_ts, remover, rows, copies,
+                           c_first_ns, c_other_ns, n_rows, n_locs, n_groups)
+        r = np.int64(row_loc[j])
+        row = _row(rows, blk_h[j])
+        seen = False
+        for g in range(n_groups):
+            if loc_grp[r, g]:
+                src[j, g] = _source(masks, row, g, r, pool_loc, n_locs, blk_xfer[j])
+                seen = seen or src[j, g] < _SRC_FAILED
+        if seen or blk_xfer[j] == XFER_FAILED:
+            continue
+        where = _holder(masks, row, r, pool_loc, n_words, n_locs, n_groups) if row >= 0 else -1
+        if where >= 0:
+            cause[j], holder[j] = CAUSE_HELD, where
+        elif row >= 0:
+            cause[j], rem_ts[j], rem_loc[j] = CAUSE_REMOVED, removed_ts[row], remover[row]
+        else:
+            cause[j] = CAUSE_NEVER
+    return src, cause, holder, rem_ts, rem_loc
+
+
+@njit(cache=True)
+def decide_requests(req_loc, req_tail, req_bs, req_off, loc_grp, loc_window, src, blk_xfer, cause,
+                    blk_holder, blk_rem_ts, blk_rem_loc, blk_other_ns):
+    """Phase 2: every request's outcomes from its blocks' phase-1 states (``block_states``) and
+    ``blk_other_ns`` (the other namespace its content was stored under by the look-up, or -1):
+    ``replay_core``'s outputs."""
+    n_blk = src.shape[0]
+    n_groups = loc_grp.shape[1]
+    out = np.full(n_blk, -1, np.int8)
+    holder = np.full(n_blk, -1, np.int32)
+    rem_ts = np.full(n_blk, -1, np.int64)
+    rem_loc = np.full(n_blk, -1, np.int32)
+    other_ns = np.full(n_blk, -1, np.int32)
+    cut_grp = np.full(n_blk, -1, np.int32)
+    grp_mask = np.zeros(n_blk, np.int64)
+    served = np.full(n_blk, -1, np.int8)
+    grp_on = np.zeros(n_groups, np.bool_)
+    grp_need = np.zeros(n_groups, np.int64)
+    for i in range(req_loc.shape[0]):
+        b0, b1 = req_off[i], req_off[i + 1]
+        if b1 == b0:
+            continue
+        r = np.int64(req_loc[i])
+        n_on, n_full, every, _ = _groups(r, req_bs[i], loc_grp, loc_window, grp_on, grp_need)
+        if n_on == 0:
+            out[b0:b1] = _UNOBSERVED
+            continue
+        _decide(b0, b1 - b0, req_tail[i], src[b0:b1], grp_on, grp_need, n_on, n_full, every, out, cut_grp,
+                grp_mask, served)
+        for j in range(b0, b1):
+            if out[j] != _PENDING:
+                continue
+            if blk_xfer[j] == XFER_FAILED:
+                out[j] = _LOAD_FAILED
+            elif cause[j] == CAUSE_NONE:  # available in some group, past the hit
+                out[j] = _AFTER_GAP
+            elif cause[j] == CAUSE_HELD:
+                out[j], holder[j] = _ROUTING, blk_holder[j]
+            elif cause[j] == CAUSE_REMOVED:
+                out[j], rem_ts[j], rem_loc[j] = _EVICTED, blk_rem_ts[j], blk_rem_loc[j]
+            else:
+                other_ns[j] = blk_other_ns[j]
+                out[j] = _INCOMPATIBLE if other_ns[j] >= 0 else _COLD
+    return out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -176,8 +177,18 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
     Example: kvlens analyze --lake lake --db kvlens.duckdb --scenario rr8
     """
     from kvlens.analyzers.analyze import analyze_lake
+    from kvlens.analyzers.partitions import Partitions
 
-    result = analyze_lake(model=given_model(model, model_config), progress=items_bar("analyze"), **flags)
+    count, ray = flags.pop("partitions"), flags.pop("ray")
+    if ray is not None:
+        from kvlens.analyzers.ray_runner import ray_partitions
+
+        where: AbstractContextManager[Partitions | None] = ray_partitions(ray or None, count)
+    else:
+        where = nullcontext(Partitions(count) if count else None)
+    with where as partitions:
+        result = analyze_lake(model=given_model(model, model_config), progress=items_bar("analyze"),
+                              partitions=partitions, **flags)
     for scenario, mode, why in result.modes:
         click.echo(f"{scenario}: {mode} ({why})", err=True)
     click.echo(f"analysis DB written: {result.db}")

@@ -225,6 +225,13 @@ analyze_options = options(
     click.option("--full", is_flag=True,
                  help="Rebuild every scenario from the lake; by default a scenario whose lake segments "
                       "are unchanged is copied from the previous DB."),
+    click.option("--partitions", type=click.IntRange(min=1), default=None, metavar="K",
+                 help="Replay each analyzed scenario's ledger in K block-hash partitions (docs/scale.md): "
+                      "the same outcomes; saves no ledger state, so the next analysis replays in full."),
+    click.option("--ray", "ray", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+                 help="Run the ledger's partitions as Ray tasks: on the cluster at ADDRESS (e.g. auto, "
+                      "ray://head:10001), or on a local cluster started for this run (pip install "
+                      "'kvlens[ray]'); default 8 partitions."),
 )
 
 # kvlens probe's flags, named as gpu_probe/run.py's probe_machine arguments.

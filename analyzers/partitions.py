@@ -1,0 +1,142 @@
+"""Analyzers: the ledger's replay split into partitions that need not share memory (issue 17).
+
+``replay_resume`` walks every event and look-up of a scenario in one process. The same
+decisions, taken in two phases (analyzers/replay.py, docs/scale.md):
+
+- **Phase 1, per block-hash partition** (``block_states``): a block's residency on every
+  location depends only on the events of its own hash, and on clears, which every partition
+  receives. A partition holds the events of the hashes ``h mod K = p`` and the needed block rows
+  of those hashes, each with its request's place in the event stream and location; it returns
+  each row's source per KV cache group and, for a block available nowhere, why. Event places
+  stay global, so each row sees exactly the events the one-process replay applies before it.
+- **Content**: whether a block never stored was stored under another key (``miss_incompatible``)
+  depends on the stores of other hashes with the same content hash; ``content_namespaces``
+  answers it for every row from the stores alone (the first two namespaces per content hash
+  and where they were first stored).
+- **Phase 2, per request** (``decide_requests``): the hit rule and the chain rule over the
+  request's rows, joined back in look-up order.
+
+The partitions are independent: ``run`` maps phase 1 over them (in process one at a time, each
+partition's arrays built just before it runs, or as Ray tasks: analyzers/ray_runner.py). Outcomes
+equal ``replay_resume``'s from an empty state row for row (tests/test_partitions.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlens.analyzers.replay import block_states, decide_requests
+
+__all__ = ["Partitions", "PhaseOne", "Runner", "States", "content_namespaces", "in_process", "partition_of",
+           "replay_partitioned"]
+
+_STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
+
+# One partition's phase-1 arguments (``block_states``' positional arguments) and its result.
+PhaseOne = tuple[Any, ...]
+# Maps ``block_states`` over partitions' arguments, yielding their results in the same order.
+States = tuple[np.ndarray, ...]  # ``block_states``' result
+Runner = Callable[[Callable[..., States], Iterable[PhaseOne]], Iterator[States]]
+
+
+def in_process(fn: Callable[..., States], parts: Iterable[PhaseOne]) -> Iterator[States]:
+    """The default runner: one partition at a time in this process."""
+    for args in parts:
+        yield fn(*args)
+
+
+@dataclass(frozen=True)
+class Partitions:
+    """How many block-hash partitions the ledger's replay is split into, and what runs them."""
+
+    count: int
+    run: Runner = in_process
+    where: str = "in process"  # said on the analyze line: "in process" or the Ray cluster's address
+
+
+def partition_of(hashes: np.ndarray, partitions: int) -> np.ndarray:
+    """The partition of each block hash (int64 views of unsigned hashes): ``h mod K``, unsigned."""
+    return (hashes.view(np.uint64) % np.uint64(partitions)).astype(np.int64)
+
+
+def content_namespaces(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarray, ev_ns: np.ndarray,
+                       row_t: np.ndarray, blk_c: np.ndarray, blk_ns: np.ndarray) -> np.ndarray:
+    """Per block row, a namespace other than its own that its content hash was stored under
+    before its look-up (``row_t``: a row sees stores with ``ev_place < row_t``), or -1: what the
+    one-process replay's content maps answer (replay.py ``_note_content``/``_other_namespace``:
+    the first namespace a content hash is stored under, then the first different one; a content
+    hash of 0 or a namespace of -1 is unknown and never counts)."""
+    other = np.full(blk_c.shape[0], -1, np.int32)
+    keep = (ev_kind == _STORED) & (ev_c != 0) & (ev_ns != -1)
+    place, c, ns = ev_place[keep], ev_c[keep], ev_ns[keep].astype(np.int64)
+    if c.shape[0] == 0:
+        return other
+    order = np.lexsort((place, c))  # by content, then stream place
+    place, c, ns = place[order], c[order], ns[order]
+    contents, first = np.unique(c, return_index=True)
+    first_place, first_ns = place[first], ns[first]
+    group = np.searchsorted(contents, c)
+    differs = ns != first_ns[group]
+    second_place = np.full(contents.shape[0], np.iinfo(np.int64).max, np.int64)
+    second_ns = np.full(contents.shape[0], -1, np.int64)
+    at = np.flatnonzero(differs)
+    # the first differing store of each content: ``at`` is in (content, place) order
+    leaders = at[np.unique(group[at], return_index=True)[1]]
+    second_place[group[leaders]], second_ns[group[leaders]] = place[leaders], ns[leaders]
+    g = np.minimum(np.searchsorted(contents, blk_c), contents.shape[0] - 1)
+    known = (blk_c != 0) & (blk_ns != -1) & (contents[g] == blk_c) & (first_place[g] < row_t)
+    own = blk_ns.astype(np.int64)
+    other_first = known & (first_ns[g] != own)
+    other_second = known & ~other_first & (second_place[g] < row_t)
+    other[other_first] = first_ns[g][other_first]
+    other[other_second] = second_ns[g][other_second]
+    return other
+
+
+def replay_partitioned(ev_place: np.ndarray, ev_stamp: np.ndarray, ev_kind: np.ndarray, ev_loc: np.ndarray,
+                       ev_tier: np.ndarray, ev_grp: np.ndarray, ev_h: np.ndarray, ev_c: np.ndarray,
+                       ev_ns: np.ndarray, ev_left: np.ndarray, req_t: np.ndarray, req_loc: np.ndarray,
+                       req_tail: np.ndarray, req_bs: np.ndarray, req_off: np.ndarray, blk_h: np.ndarray,
+                       blk_c: np.ndarray, blk_ns: np.ndarray, blk_xfer: np.ndarray, n_locs: int,
+                       pool_loc: int, loc_window: np.ndarray, loc_grp: np.ndarray, *, partitions: int,
+                       run: Runner = in_process) -> tuple[np.ndarray, ...]:
+    """``replay_resume``'s outputs from an empty state (same arguments, no state or snapshot),
+    computed as ``partitions`` block-hash partitions (phase 1, mapped by ``run``) and a pass per
+    request (phase 2)."""
+    if partitions < 1:
+        raise ValueError(f"partitions must be at least 1, got {partitions}")
+    n_groups = loc_window.shape[1]
+    counts = np.diff(req_off)
+    row_t = np.repeat(req_t, counts)
+    row_loc = np.repeat(req_loc, counts)
+    ev_part = partition_of(ev_h, partitions)
+    blk_part = partition_of(blk_h, partitions)
+    clears = ev_kind == _CLEARED
+    chosen: list[np.ndarray] = []
+
+    def parts() -> Iterator[PhaseOne]:
+        for p in range(partitions):
+            ev = np.flatnonzero(clears | (ev_part == p))
+            rows = np.flatnonzero(blk_part == p)
+            chosen.append(rows)
+            yield (ev_place[ev], ev_stamp[ev], ev_kind[ev], ev_loc[ev], ev_tier[ev], ev_grp[ev], ev_h[ev],
+                   ev_left[ev], row_t[rows], row_loc[rows], blk_h[rows], blk_xfer[rows], n_locs, pool_loc,
+                   loc_grp)
+
+    n_blk = blk_h.shape[0]
+    src = np.empty((n_blk, n_groups), np.int8)
+    cause = np.empty(n_blk, np.int8)
+    holder = np.empty(n_blk, np.int32)
+    rem_ts = np.empty(n_blk, np.int64)
+    rem_loc = np.empty(n_blk, np.int32)
+    for p, got in enumerate(run(block_states, parts())):
+        rows = chosen[p]
+        src[rows], cause[rows], holder[rows], rem_ts[rows], rem_loc[rows] = got
+    other = content_namespaces(ev_place, ev_kind, ev_c, ev_ns, row_t, blk_c, blk_ns)
+    return decide_requests(req_loc, req_tail, req_bs, req_off, loc_grp, loc_window, src,
+                           blk_xfer.astype(np.int8), cause, holder, rem_ts, rem_loc, other)
+

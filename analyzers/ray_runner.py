@@ -1,0 +1,72 @@
+"""Analyzers' Ray runner: the ledger's block-hash partitions (analyzers/partitions.py) as Ray tasks.
+
+``kvlens analyze --ray [ADDRESS]``: with an address (``ray://host:10001``, ``host:6379`` or
+``auto``) it joins that cluster; without one it starts a local cluster for this process
+(``ray.init``) and shuts it down when the analysis ends, so no Ray process outlives it. Each
+partition's arrays go to the object store once; its task returns the partition's phase-1 states,
+gathered in partition order. Ray is an extra: ``pip install 'kvlens[ray]'``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from kvlens.analyzers.partitions import Partitions, PhaseOne, States
+from kvlens.errors import ConfigError
+
+__all__ = ["DEFAULT_PARTITIONS", "ray_partitions"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PARTITIONS = 8  # block-hash partitions when --ray is given without --partitions
+
+
+def _call(fn: Callable[..., States], *args: Any) -> States:
+    return fn(*args)
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("--ray needs Ray, which is not installed: pip install 'kvlens[ray]' "
+                          "(or run without --ray: the same partitions run in this process)") from None
+    return ray
+
+
+@contextmanager
+def ray_partitions(address: str | None, count: int | None = None) -> Iterator[Partitions]:
+    """Partitions run as Ray tasks on the cluster at ``address`` (None: a local one, started
+    here and shut down on exit); ``count`` partitions (default ``DEFAULT_PARTITIONS``)."""
+    ray = _ray()
+    started = False
+    if not ray.is_initialized():
+        try:
+            if address is None:
+                ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False, log_to_driver=False,
+                         configure_logging=False)
+            else:
+                ray.init(address=address, log_to_driver=False, configure_logging=False)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local cluster'}: "
+                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}: start one "
+                              "(ray start --head) or pass its address to --ray") from None
+        started = True
+    where = f"on Ray ({address or 'local cluster'}, {int(ray.cluster_resources().get('CPU', 0))} CPUs)"
+    task = ray.remote(_call)
+
+    def run(fn: Callable[..., States], parts: Iterable[PhaseOne]) -> Iterator[States]:
+        refs = [task.remote(fn, *args) for args in parts]
+        for i, ref in enumerate(refs, 1):
+            yield ray.get(ref)
+            log.info("ledger partition %d of %d done %s", i, len(refs), where)
+
+    try:
+        yield Partitions(count or DEFAULT_PARTITIONS, run, where)
+    finally:
+        if started:
+            ray.shutdown()
