@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -136,23 +137,29 @@ def _ray_processes() -> set[int]:
     return found
 
 
-def test_analyze_on_a_local_ray_cluster_of_two_workers(lakes: dict[str, Lake], tmp_path: Path) -> None:
-    """``kvlens analyze --ray`` in a process of its own starts a local Ray cluster (one worker per
-    CPU: two here and in CI), writes the DB a one-process analysis writes, and leaves no Ray
-    process behind."""
+def test_analyze_on_a_local_ray_cluster_of_two_workers(demo_workdir: Path, tmp_path: Path) -> None:
+    """``kvlens analyze --ray``, in a process of its own, on the demo's scenarios (six: the trace,
+    three simulated fleets, the agents and their fleet with a pool) and the two hand-built ledger
+    lakes' scenarios in one lake: it starts a local Ray cluster (one worker per CPU: two here and
+    in CI), writes the DB a one-process analysis writes, and leaves no Ray process behind."""
     pytest.importorskip("ray", reason="the ray extra is installed by make test")
-    lake = lakes["simulated"].path
+    lake = tmp_path / "lake"
+    shutil.copytree(demo_workdir / "lake", lake)
+    _write_hand(lake)
+    _write_clear(lake)
     _analyze(lake, tmp_path / "one.duckdb")
     before = _ray_processes()
     done = subprocess.run([sys.executable, "-m", "kvlens.cli", "analyze", "--lake", str(lake), "--db",
                            str(tmp_path / "ray.duckdb"), "--full", "--ray", "--partitions", "5"],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    found = re.search(r"ledger replayed in 5 block-hash partitions on Ray \(local cluster, (\d+) CPUs\)",
-                      done.stderr)
-    assert found and int(found[1]) == (os.cpu_count() or 1), done.stderr[-3000:]
+    said = re.findall(r"^(\S+): full .*ledger replayed in 5 block-hash partitions on Ray "
+                      r"\(local cluster, (\d+) CPUs\)", done.stderr, re.MULTILINE)
+    scenarios = {"agents", "agents4-pool", "cache8", "cache8-lf2", "conversation", "rr8", "hand", "clear"}
+    assert {name for name, _ in said} == scenarios, done.stderr[-3000:]
+    assert {int(cpus) for _, cpus in said} == {os.cpu_count() or 1}
     counts = assert_same_db(tmp_path / "ray.duckdb", tmp_path / "one.duckdb")
-    assert counts["block_outcomes"] > 1000
+    assert counts["block_outcomes"] > 1_000_000
     deadline = time.monotonic() + 30
     while (left := _ray_processes() - before) and time.monotonic() < deadline:
         time.sleep(0.5)

@@ -105,7 +105,8 @@ def main() -> bool:
     ray2 = _ray_run(2, pargs, want)
     overhead = max(ray2 - serial_s - phase1_s / 2, 0.0)
     model = serial_s + phase1_s / MODELLED_WORKERS + overhead
-    print(f"   Ray, 1 worker                        {n_blk / ray1:>12,.0f} look-ups/s  ({ray1:.3f} s, measured)")
+    print(f"   Ray, 1 worker                        {n_blk / ray1:>12,.0f} look-ups/s  "
+          f"({ray1:.3f} s, measured)")
     print(f"   Ray, 2 workers                       {n_blk / ray2:>12,.0f} look-ups/s  ({ray2:.3f} s, "
           f"{ray1 / ray2:.2f}x 1 worker, measured)")
     print(f"   Ray, {MODELLED_WORKERS} workers (MODELLED)             {n_blk / model:>12,.0f} look-ups/s  "
