@@ -136,7 +136,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "reuse", reuse(request_blocks=blocks, kv_events=events, bytes_per_token=per_token,
                          scenario=scenario, stream=stream)
     curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
-                sample_rate=SHARDS_RATE, stream=stream)
+                sample_rate=SHARDS_RATE, stream=stream, partitions=plan.partitions)
     yield "mrc", curve
     yield "ttl_coverage", ttl_coverage(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
                                        stream=stream)

@@ -30,6 +30,7 @@ import numba
 import numpy as np
 import polars as pl
 
+from kvlens.analyzers.partitions import Partitions, Runner, in_process
 from kvlens.analyzers.reuse import (
     _SIZE,
     _SLOT,
@@ -51,6 +52,7 @@ __all__ = [
     "exact_histogram",
     "merge",
     "mrc",
+    "partition_histogram",
     "partition_histograms",
     "shards_histogram",
 ]
@@ -248,23 +250,27 @@ def _fixed_size_kernel(ids: np.ndarray, sizes: np.ndarray, key_hash: np.ndarray,
 
 
 def partition_histograms(keys: np.ndarray, sizes: np.ndarray | int = 1, *, partitions: int,
-                         seed: int = 0) -> list[ReuseHistogram]:
+                         seed: int = 0, run: Runner = in_process) -> list[ReuseHistogram]:
     """One exact histogram per hash partition ``mix64(key ^ seed) % K``, scaled as a rate-1/K sample.
 
-    This is what a worker holding one partition computes; ``merge`` of all K gives the fleet
-    curve (exact when K = 1; otherwise the mean of K SHARDS estimates, without adj, whose
-    surpluses cancel across partitions).
+    This is what a worker holding one partition computes (``run`` maps ``partition_histogram``
+    over the partitions: in this process, or as Ray tasks, analyzers/ray_runner.py); ``merge`` of
+    all K gives the fleet curve (exact when K = 1; otherwise the mean of K SHARDS estimates,
+    without adj, whose surpluses cancel across partitions).
     """
     keys, sizes_arr = _as_arrays(keys, sizes)
     part = _key_hashes(keys, np.uint64(seed)) % np.uint64(partitions)
-    out = []
-    for k in range(partitions):
-        sel = part == k
-        h = exact_histogram(keys[sel], sizes_arr[sel])
-        blocks, byts = _scaled(h, 1.0 / partitions)
-        out.append(ReuseHistogram(blocks, byts, h.weight * partitions, h.weight_bytes * partitions,
-                                  h.total_accesses * partitions, h.total_bytes * partitions))
-    return out
+    chosen = ((keys[part == k], sizes_arr[part == k], partitions) for k in range(partitions))
+    return list(run(partition_histogram, chosen))
+
+
+def partition_histogram(keys: np.ndarray, sizes: np.ndarray, partitions: int) -> ReuseHistogram:
+    """One hash partition's exact histogram (its keys' accesses, in stream order), scaled as a
+    rate-1/``partitions`` spatial sample."""
+    h = exact_histogram(keys, sizes)
+    blocks, byts = _scaled(h, 1.0 / partitions)
+    return ReuseHistogram(blocks, byts, h.weight * partitions, h.weight_bytes * partitions,
+                          h.total_accesses * partitions, h.total_bytes * partitions)
 
 
 def curve(hist: ReuseHistogram, capacities: Sequence[float] | np.ndarray, *,
@@ -318,7 +324,8 @@ def _rows(hist: ReuseHistogram, method: str, block_bytes: int) -> pl.DataFrame:
 
 
 def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
-        sample_rate: float | None = None, stream: AccessStream | None = None) -> pl.DataFrame:
+        sample_rate: float | None = None, stream: AccessStream | None = None,
+        partitions: Partitions | None = None) -> pl.DataFrame:
     """Rows of table `mrc` for the `requests` stream, sorted by method, capacity_bytes.
 
     Columns: scenario, stream, method (exact | shards), capacity_blocks, capacity_bytes,
@@ -335,7 +342,11 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     that is at most 2,000 blocks; otherwise a 200-point log grid plus that saturation point.
     Each value is exact at its capacity (the curve is a step function between them).
     ``sample_rate`` adds SHARDS_adj fixed-rate rows (method shards) on the same kind of grid.
-    ``stream``: the scenario's access stream when the caller already built it.
+    ``stream``: the scenario's access stream when the caller already built it. ``partitions``
+    (K of them) adds rows of method ``partitioned``: the curve merged from K block-hash
+    partitions, each an exact histogram of its keys scaled as a rate-1/K sample
+    (``partition_histograms``: what K workers compute without sharing memory; exactly the exact
+    curve when K = 1), on the exact rows' grid.
     """
     acc = stream or access_stream(request_blocks, scenario, bytes_per_token)
     rs, sizes = acc.frame, acc.sizes
@@ -345,6 +356,13 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     parts = [_rows(_histogram(acc.distances, sizes), "exact", block_bytes)]
     if sample_rate is not None:
         parts.append(_rows(shards_histogram(keys, sizes, rate=sample_rate), "shards", block_bytes))
+    if partitions is not None:
+        merged = merge(*partition_histograms(keys, sizes, partitions=partitions.count, run=partitions.run))
+        grid = parts[0]["capacity_blocks"].to_numpy()
+        hr, hrb = curve(merged, grid, by="blocks")
+        parts.append(pl.DataFrame({"method": "partitioned", "capacity_blocks": grid,
+                                   "capacity_bytes": grid * block_bytes, "hit_ratio_blocks": hr,
+                                   "hit_ratio_bytes": hrb}))
     out = pl.concat(parts).with_columns(scenario=pl.lit(scenario), stream=pl.lit("requests"))
     return out.select(MRC.names).sort("method", "capacity_bytes")
 

@@ -36,14 +36,15 @@ __all__ = ["Partitions", "PhaseOne", "Runner", "States", "content_namespaces", "
 
 _STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
 
-# One partition's phase-1 arguments (``block_states``' positional arguments) and its result.
+# One partition's arguments (for the ledger, ``block_states``' positional arguments).
 PhaseOne = tuple[Any, ...]
-# Maps ``block_states`` over partitions' arguments, yielding their results in the same order.
 States = tuple[np.ndarray, ...]  # ``block_states``' result
-Runner = Callable[[Callable[..., States], Iterable[PhaseOne]], Iterator[States]]
+# Maps a function over partitions' arguments, yielding the results in the same order (the ledger's
+# phase 1, analyzers/mrc.py's partition histograms).
+Runner = Callable[[Callable[..., Any], Iterable[PhaseOne]], Iterator[Any]]
 
 
-def in_process(fn: Callable[..., States], parts: Iterable[PhaseOne]) -> Iterator[States]:
+def in_process(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[Any]:
     """The default runner: one partition at a time in this process."""
     for args in parts:
         yield fn(*args)

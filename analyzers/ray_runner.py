@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from kvlens.analyzers.partitions import Partitions, PhaseOne, States
-from kvlens.errors import ConfigError
+from kvlens.analyzers.partitions import Partitions, PhaseOne
+from kvlens.errors import ConfigError, KvlensError
 
 __all__ = ["DEFAULT_PARTITIONS", "ray_partitions"]
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 DEFAULT_PARTITIONS = 8  # block-hash partitions when --ray is given without --partitions
 
 
-def _call(fn: Callable[..., States], *args: Any) -> States:
+def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
 
 
@@ -52,18 +52,31 @@ def ray_partitions(address: str | None, count: int | None = None) -> Iterator[Pa
             else:
                 ray.init(address=address, log_to_driver=False, configure_logging=False)
         except (ConnectionError, RuntimeError, ValueError) as e:
-            raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local cluster'}: "
-                              f"{str(e).splitlines()[0] if str(e) else type(e).__name__}: start one "
-                              "(ray start --head) or pass its address to --ray") from None
+            said = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ConfigError(f"cannot reach the Ray cluster at {address or 'a new local cluster'}: {said}: "
+                              "start one (ray start --head) or pass its address to --ray; a cluster with "
+                              "token authentication (Ray's default for local clusters from 2.59) needs "
+                              "RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN here too") from None
         started = True
     where = f"on Ray ({address or 'local cluster'}, {int(ray.cluster_resources().get('CPU', 0))} CPUs)"
     task = ray.remote(_call)
 
-    def run(fn: Callable[..., States], parts: Iterable[PhaseOne]) -> Iterator[States]:
+    def run(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[Any]:
         refs = [task.remote(fn, *args) for args in parts]
         for i, ref in enumerate(refs, 1):
-            yield ray.get(ref)
-            log.info("ledger partition %d of %d done %s", i, len(refs), where)
+            try:
+                got = ray.get(ref)
+            except ray.exceptions.RayError as e:  # a worker died, or the task raised
+                for left in refs[i:]:
+                    ray.cancel(left, force=True)
+                cause = getattr(e, "cause", None)  # a task's own exception (RayTaskError)
+                said = (f"{type(cause).__name__}: {cause}" if cause is not None
+                        else str(e).strip().splitlines()[-1])
+                raise KvlensError(f"partition {i} of {len(refs)} failed {where}: {said}: see the Ray logs "
+                                  "(ray logs) and rerun; without --ray the same partitions run in this "
+                                  "process") from None
+            log.info("partition %d of %d done %s", i, len(refs), where)
+            yield got
 
     try:
         yield Partitions(count or DEFAULT_PARTITIONS, run, where)

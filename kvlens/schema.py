@@ -401,7 +401,8 @@ MRC = Table("mrc", "analysis", "LRU hit ratio against capacity, per stream.", (
     _SCENARIO,
     _c("stream", "VARCHAR", "access stream (`requests`: every full block of request_blocks in arrival order, "
        "then position; partial tails are never cached)"),
-    _c("method", "VARCHAR", "exact, or shards (sampled)"),
+    _c("method", "VARCHAR", "exact, shards (sampled), or partitioned (merged from K block-hash "
+       "partitions: kvlens analyze --partitions/--ray)"),
     _c("capacity_blocks", "BIGINT", "cache capacity: slots of one block each (paged KV memory)", "blocks"),
     _c("capacity_bytes", "BIGINT",
        "capacity_blocks x full-block bytes (block_size_tokens x KV bytes per token)", "bytes"),

@@ -21,6 +21,7 @@ from kvlens.analyzers.mrc import (
     partition_histograms,
     shards_histogram,
 )
+from kvlens.analyzers.partitions import Partitions
 from kvlens.analyzers.reuse import request_stream
 from kvlens.lake import open_lake
 from kvlens.schema import MRC
@@ -240,3 +241,30 @@ def test_mrc_table(conv) -> None:  # type: ignore[no-untyped-def]
     # at the last grid point every re-access hits: 105,592 re-accesses of the 276,491 full blocks
     # (the 12,009 partial tails, 118 of them repeated prompts, are never cached)
     assert exact["hit_ratio_blocks"][-1] == pytest.approx(105_592 / 276_491)
+
+
+def test_mrc_partitioned_rows(conv) -> None:  # type: ignore[no-untyped-def]
+    """``partitions`` adds the curve merged from K hash partitions on the exact rows' grid: equal
+    to the exact curve for K = 1; for K = 8 (each partition a 12.5% spatial sample) within the
+    error of a SHARDS estimate at that rate on the Mooncake conversation trace (measured: mean
+    absolute error 0.00055 over 169 capacities, at most 0.0101 at the smallest)."""
+    _, _, con = conv
+    seen: list[int] = []
+
+    def counting(fn, parts):  # type: ignore[no-untyped-def]
+        for args in parts:
+            seen.append(len(args[0]))
+            yield fn(*args)
+
+    for count, mean, most in ((1, 0.0, 0.0), (8, 0.003, 0.02)):
+        seen.clear()
+        out = mrc(request_blocks=con.table("request_blocks"), bytes_per_token=327_680, scenario="conv",
+                  partitions=Partitions(count, counting))
+        assert set(out["method"]) == {"exact", "partitioned"}
+        exact, merged = out.filter(method="exact"), out.filter(method="partitioned")
+        assert merged["capacity_blocks"].to_list() == exact["capacity_blocks"].to_list()
+        assert len(seen) == count and sum(seen) == 276_491  # every full-block access, once
+        gap = (merged["hit_ratio_blocks"] - exact["hit_ratio_blocks"]).abs()
+        assert gap.mean() <= mean + 1e-12 and gap.max() <= most + 1e-12, (count, gap.mean(), gap.max())
+        if count > 1:
+            assert gap.max() > 0  # a sample: not the exact curve by accident
