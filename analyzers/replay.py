@@ -358,6 +358,23 @@ def _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_oth
 
 
 @njit(cache=True)
+def _outputs(n_blk):
+    """The replay's outputs, unset: outcome, holder, removed_ns, remover, other namespace, cutting
+    group, groups mask, serving source (see ``replay_core``)."""
+    return (np.full(n_blk, -1, np.int8), np.full(n_blk, -1, np.int32), np.full(n_blk, -1, np.int64),
+            np.full(n_blk, -1, np.int32), np.full(n_blk, -1, np.int32), np.full(n_blk, -1, np.int32),
+            np.zeros(n_blk, np.int64), np.full(n_blk, -1, np.int8))
+
+
+@njit(cache=True)
+def _cache(max_rows, n_words):
+    """An empty cache state of ``max_rows`` block rows: residency bits, extra-copy bits (slots
+    holding more than one copy), last removal time and remover."""
+    return (np.zeros((max_rows, n_words), np.int64), np.zeros((max_rows, n_words), np.int64),
+            np.full(max_rows, -1, np.int64), np.full(max_rows, -1, np.int64))
+
+
+@njit(cache=True)
 def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left,
                   req_t, req_loc, req_tail, req_bs, req_off,
                   blk_h, blk_c, blk_ns, blk_xfer, n_locs, pool_loc, loc_window, loc_grp, state, snap):
@@ -371,22 +388,12 @@ def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c,
     after exactly the events with ``ev_ts < snap`` (else an empty one)."""
     n_blk = blk_h.shape[0]
     n_groups = loc_window.shape[1]
-    out = np.full(n_blk, -1, np.int8)
-    holder = np.full(n_blk, -1, np.int32)
-    rem_ts = np.full(n_blk, -1, np.int64)
-    rem_loc = np.full(n_blk, -1, np.int32)
-    other_ns = np.full(n_blk, -1, np.int32)
-    cut_grp = np.full(n_blk, -1, np.int32)
-    grp_mask = np.zeros(n_blk, np.int64)
-    served = np.full(n_blk, -1, np.int8)
+    out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served = _outputs(n_blk)
     n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
     row_hash, st_masks, st_extra, st_removed, st_remover, ck, cv, fk, fv, ok, ov = state
     n_rows = row_hash.shape[0]
     max_rows = max(n_rows + int(np.sum(ev_kind == _STORED)), 1)  # a row per distinct stored block at most
-    masks = np.zeros((max_rows, n_words), np.int64)
-    extra = np.zeros((max_rows, n_words), np.int64)  # slots holding more than one copy
-    removed_ts = np.full(max_rows, -1, np.int64)
-    remover = np.full(max_rows, -1, np.int64)
+    masks, extra, removed_ts, remover = _cache(max_rows, n_words)
     masks[:n_rows] = st_masks
     extra[:n_rows] = st_extra
     removed_ts[:n_rows] = st_removed
@@ -629,10 +636,7 @@ def block_states(ev_place, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_
     rem_ts = np.full(n_blk, -1, np.int64)
     rem_loc = np.full(n_blk, -1, np.int32)
     max_rows = max(int(np.sum(ev_kind == _STORED)), 1)
-    masks = np.zeros((max_rows, n_words), np.int64)
-    extra = np.zeros((max_rows, n_words), np.int64)
-    removed_ts = np.full(max_rows, -1, np.int64)
-    remover = np.full(max_rows, -1, np.int64)
+    masks, extra, removed_ts, remover = _cache(max_rows, n_words)
     none = np.zeros(0, np.int64)
     rows = _dict_of(none, none)
     copies = _dict_of(none, none)
@@ -673,14 +677,7 @@ def decide_requests(req_loc, req_tail, req_bs, req_off, loc_grp, loc_window, src
     ``replay_core``'s outputs."""
     n_blk = src.shape[0]
     n_groups = loc_grp.shape[1]
-    out = np.full(n_blk, -1, np.int8)
-    holder = np.full(n_blk, -1, np.int32)
-    rem_ts = np.full(n_blk, -1, np.int64)
-    rem_loc = np.full(n_blk, -1, np.int32)
-    other_ns = np.full(n_blk, -1, np.int32)
-    cut_grp = np.full(n_blk, -1, np.int32)
-    grp_mask = np.zeros(n_blk, np.int64)
-    served = np.full(n_blk, -1, np.int8)
+    out, holder, rem_ts, rem_loc, other_ns, cut_grp, grp_mask, served = _outputs(n_blk)
     grp_on = np.zeros(n_groups, np.bool_)
     grp_need = np.zeros(n_groups, np.int64)
     for i in range(req_loc.shape[0]):
