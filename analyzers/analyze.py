@@ -128,8 +128,8 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
 def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan) -> incremental.Decision:
     """The decision, its reason extended with how the ledger of an appended scenario was computed."""
     result = plan.result
-    if plan.partitions is not None:
-        said = (f"ledger replayed in {plan.partitions.count} block-hash partitions {plan.partitions.where}, "
+    if plan.partitions is not None and result is not None:
+        said = (f"ledger replayed in {result.partitions} block-hash partitions {plan.partitions.where}, "
                 "no state saved (the next analysis replays it in full)")
         log.info("scenario %s: %s", scenario, said)
         return incremental.Decision(decision.mode, f"{decision.reason}; {said}")

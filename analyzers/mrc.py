@@ -357,7 +357,8 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     if sample_rate is not None:
         parts.append(_rows(shards_histogram(keys, sizes, rate=sample_rate), "shards", block_bytes))
     if partitions is not None:
-        merged = merge(*partition_histograms(keys, sizes, partitions=partitions.count, run=partitions.run))
+        count = partitions.for_rows(len(keys))
+        merged = merge(*partition_histograms(keys, sizes, partitions=count, run=partitions.run))
         grid = parts[0]["capacity_blocks"].to_numpy()
         hr, hrb = curve(merged, grid, by="blocks")
         parts.append(pl.DataFrame({"method": "partitioned", "capacity_blocks": grid,

@@ -217,6 +217,7 @@ class Ledger:
     state: LedgerState | None
     refused: str | None = None
     replayed: int = 0  # requests replayed (the rest carried from the previous rows)
+    partitions: int = 0  # block-hash partitions the replay ran in (0: one process, one pass)
 
 
 def block_outcomes(
@@ -293,6 +294,8 @@ def ledger_outcomes(
         mark = checkpoint(ev["ev_ts"], 0, None, horizon_ns, req["lookup_ns"].to_numpy(),
                           req["cut"].to_numpy(), req["own"].to_numpy())
     places = np.arange(ev["ev_ts"].shape[0], dtype=np.int64)
+    if partitions is not None:
+        partitions = dataclasses.replace(partitions, count=partitions.for_rows(full.height))
     outputs, saved = _replay(ev, places, req, full, req_loc, blk_ns, locs, loc_grp, windows,
                              _empty_state(n_locs, len(group_idx)), mark[1] if mark else -1, partitions)
     frame = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
@@ -303,7 +306,7 @@ def ledger_outcomes(
             prefix_locations=0, namespaces=(), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
             prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0)
         state = _next_state(start, mark, ev, specs, full, spaces, saved, requests, transfers)
-    return Ledger(frame, state, refused, req.height)
+    return Ledger(frame, state, refused, req.height, partitions.count or 0 if partitions else 0)
 
 
 def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
@@ -446,7 +449,7 @@ def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, fu
             full["xfer"].to_numpy().astype(np.int8), loc_grp.shape[0], locs.index.get(POOL_LOCATION, -1),
             windows, loc_grp)
     if parts is not None:
-        return replay_partitioned(*args, partitions=parts.count, run=parts.run), state
+        return replay_partitioned(*args, partitions=parts.for_rows(full.height), run=parts.run), state
     return replay_resume(*args, state, snap)
 
 

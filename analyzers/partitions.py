@@ -31,8 +31,8 @@ import numpy as np
 
 from kvlens.analyzers.replay import block_states, decide_requests
 
-__all__ = ["Partitions", "PhaseOne", "Runner", "States", "content_namespaces", "in_process", "partition_of",
-           "replay_partitioned"]
+__all__ = ["ROWS_PER_PARTITION", "Partitions", "PhaseOne", "Runner", "States", "content_namespaces",
+           "in_process", "partition_of", "replay_partitioned"]
 
 _STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
 
@@ -50,13 +50,30 @@ def in_process(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[An
         yield fn(*args)
 
 
+# Rows (needed blocks, or accesses) per partition when the count is chosen from a scenario's size.
+# From the sizes of its arrays (modelled, not measured), phase 1 (analyzers/replay.py's
+# block_states) holds about 40 bytes per needed block row and 70 per event of its partition, plus
+# 32 per distinct stored block of one bit word: a few hundred MB at this many rows.
+ROWS_PER_PARTITION = 4_000_000
+
+
 @dataclass(frozen=True)
 class Partitions:
-    """How many block-hash partitions the ledger's replay is split into, and what runs them."""
+    """How many block-hash partitions the ledger's replay (and the partitioned curve) is split
+    into, and what runs them. ``count`` None: chosen per scenario (``for_rows``)."""
 
-    count: int
+    count: int | None = None
     run: Runner = in_process
     where: str = "in process"  # said on the analyze line: "in process" or the Ray cluster's address
+    workers: int = 1  # what runs them in parallel (a Ray cluster's CPUs)
+
+    def for_rows(self, rows: int) -> int:
+        """The partition count for a scenario of ``rows`` rows: the given one, else two per
+        worker (so that a slow partition does not leave a worker idle), more when a partition
+        would hold more than ``ROWS_PER_PARTITION`` rows."""
+        if self.count is not None:
+            return self.count
+        return max(2 * self.workers, -(-rows // ROWS_PER_PARTITION))
 
 
 def partition_of(hashes: np.ndarray, partitions: int) -> np.ndarray:

@@ -18,12 +18,9 @@ from typing import Any
 from kvlens.analyzers.partitions import Partitions, PhaseOne
 from kvlens.errors import ConfigError, KvlensError
 
-__all__ = ["DEFAULT_PARTITIONS", "ray_partitions"]
+__all__ = ["ray_partitions"]
 
 log = logging.getLogger(__name__)
-
-DEFAULT_PARTITIONS = 8  # block-hash partitions when --ray is given without --partitions
-
 
 def _call(fn: Callable[..., Any], *args: Any) -> Any:
     return fn(*args)
@@ -41,7 +38,8 @@ def _ray() -> Any:
 @contextmanager
 def ray_partitions(address: str | None, count: int | None = None) -> Iterator[Partitions]:
     """Partitions run as Ray tasks on the cluster at ``address`` (None: a local one, started
-    here and shut down on exit); ``count`` partitions (default ``DEFAULT_PARTITIONS``)."""
+    here and shut down on exit); ``count`` partitions (default: chosen per scenario from its size
+    and the cluster's CPUs, ``Partitions.for_rows``)."""
     ray = _ray()
     started = False
     if not ray.is_initialized():
@@ -58,7 +56,8 @@ def ray_partitions(address: str | None, count: int | None = None) -> Iterator[Pa
                               "token authentication (Ray's default for local clusters from 2.59) needs "
                               "RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN here too") from None
         started = True
-    where = f"on Ray ({address or 'local cluster'}, {int(ray.cluster_resources().get('CPU', 0))} CPUs)"
+    cpus = int(ray.cluster_resources().get("CPU", 0))
+    where = f"on Ray ({address or 'local cluster'}, {cpus} CPUs)"
     task = ray.remote(_call)
 
     def run(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[Any]:
@@ -79,7 +78,7 @@ def ray_partitions(address: str | None, count: int | None = None) -> Iterator[Pa
             yield got
 
     try:
-        yield Partitions(count or DEFAULT_PARTITIONS, run, where)
+        yield Partitions(count, run, where, max(cpus, 1))
     finally:
         if started:
             ray.shutdown()

@@ -231,7 +231,8 @@ analyze_options = options(
     click.option("--ray", "ray", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
                  help="Run the ledger's partitions as Ray tasks: on the cluster at ADDRESS (e.g. auto, "
                       "ray://head:10001), or on a local cluster started for this run (pip install "
-                      "'kvlens[ray]'); default 8 partitions."),
+                      "'kvlens[ray]'); without --partitions, two per CPU of the cluster, more for a "
+                      "scenario over 4M needed blocks per partition."),
 )
 
 # kvlens probe's flags, named as gpu_probe/run.py's probe_machine arguments.

@@ -29,7 +29,7 @@ from polars.testing import assert_frame_equal
 from test_ledger import _write_clear, _write_hand, replay_inputs
 from test_ledger_resume import Lake, _captured, _ledger, _relations, _span
 
-from kvlens.analyzers.partitions import Partitions, in_process, replay_partitioned
+from kvlens.analyzers.partitions import ROWS_PER_PARTITION, Partitions, in_process, replay_partitioned
 from kvlens.analyzers.replay import loc_groups, replay_core
 from kvlens.cli import cli
 
@@ -61,6 +61,13 @@ def test_partitioned_replay_equals_the_one_process_replay(args: tuple[Any, ...],
 def test_partitioned_replay_past_one_bit_word(args: tuple[Any, ...], partitions: int) -> None:
     want = [np.asarray(x).tolist() for x in replay_core(*args)]
     assert _partitioned(args, partitions) == want
+
+
+def test_the_partition_count_follows_the_workers_and_the_size() -> None:
+    assert Partitions(7).for_rows(10**12) == 7  # given: kept
+    assert Partitions(workers=3).for_rows(10) == 6  # two per worker
+    assert Partitions(workers=3).for_rows(6 * ROWS_PER_PARTITION) == 6
+    assert Partitions(workers=3).for_rows(6 * ROWS_PER_PARTITION + 1) == 7  # none over ROWS_PER_PARTITION
 
 
 # -- whole lakes: ledger_outcomes with and without partitions --------------------------------------
@@ -155,10 +162,11 @@ def _ray_processes() -> set[int]:
     return found
 
 
-def _analyze_on_ray(lake: Path, db: Path, address: str | None, env: dict[str, str] | None = None) -> str:
-    """``kvlens analyze --full --ray [address] --partitions 5`` in a process of its own; its stderr."""
+def _analyze_on_ray(lake: Path, db: Path, address: str | None, *flags: str,
+                    env: dict[str, str] | None = None) -> str:
+    """``kvlens analyze --full --ray [address] FLAGS`` in a process of its own; its stderr."""
     done = subprocess.run([sys.executable, "-m", "kvlens.cli", "analyze", "--lake", str(lake), "--db",
-                           str(db), "--full", "--ray", *([address] if address else []), "--partitions", "5"],
+                           str(db), "--full", "--ray", *([address] if address else []), *flags],
                           capture_output=True, text=True, timeout=900, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stderr
@@ -173,17 +181,17 @@ def _no_ray_left(before: set[int]) -> None:
 
 def test_analyze_on_a_local_ray_cluster_it_starts(lakes: dict[str, Lake], tmp_path: Path) -> None:
     """``kvlens analyze --ray`` without an address starts a local Ray cluster (one worker per CPU),
-    writes the DB a one-process analysis writes, and shuts the cluster down: no Ray process
-    outlives the command."""
+    chooses two partitions per CPU (a small lake), writes the DB a one-process analysis writes, and
+    shuts the cluster down: no Ray process outlives the command."""
     pytest.importorskip("ray", reason="the ray extra is installed by make test")
     lake = lakes["simulated"].path
     _analyze(lake, tmp_path / "one.duckdb")
     before = _ray_processes()
     said = _analyze_on_ray(lake, tmp_path / "ray.duckdb", None)
     assert _take_partitioned_curves(tmp_path / "ray.duckdb").height > 0
-    found = re.search(r"ledger replayed in 5 block-hash partitions on Ray \(local cluster, (\d+) CPUs\)",
-                      said)
-    assert found and int(found[1]) == (os.cpu_count() or 1), said[-3000:]
+    cpus = os.cpu_count() or 1
+    chosen = f"ledger replayed in {2 * cpus} block-hash partitions on Ray (local cluster, {cpus} CPUs)"
+    assert chosen in said, said[-3000:]
     assert assert_same_db(tmp_path / "ray.duckdb", tmp_path / "one.duckdb")["block_outcomes"] > 1000
     _no_ray_left(before)
 
@@ -215,7 +223,8 @@ def test_analyze_on_a_ray_cluster_of_two_workers(demo_workdir: Path, tmp_path: P
                              capture_output=True, text=True, timeout=300, env=env)
     try:
         assert started.returncode == 0, started.stderr[-3000:]
-        said = _analyze_on_ray(lake, tmp_path / "ray.duckdb", f"127.0.0.1:{port}", env)
+        said = _analyze_on_ray(lake, tmp_path / "ray.duckdb", f"127.0.0.1:{port}", "--partitions", "5",
+                               env=env)
     finally:
         subprocess.run([ray_cli, "stop", "--force"], capture_output=True, timeout=300, env=env)
     names = re.findall(rf"^(\S+): full .*ledger replayed in 5 block-hash partitions on Ray "
