@@ -36,17 +36,26 @@ a sliding window's with gaps) keeps its time; this rule does not cover them yet.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Iterable
 
 import numpy as np
 import polars as pl
 
-__all__ = ["admission_cuts"]
+__all__ = ["ADMISSION_WINDOW_NS", "admission_cuts"]
 
 _STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
 # Stores of one block after a request's arrival looked at per block: a block is stored again only
 # after an eviction, so the request's own run is among the first few; the bound keeps a hot block
 # (a system prompt re-stored all day) from making the search quadratic.
 _CANDIDATES = 8
+# A request's own run is stamped at most this long after its look-up time (arrival plus queue time):
+# vLLM stores a request's new full blocks in the step that admits it (Scheduler.schedule ->
+# KVCacheManager.allocate_slots) and publishes that step's KVEventBatch when the step ends
+# (Scheduler.update_from_output), seconds later at most; the margin covers a queue time the lake
+# does not know (a trace without it looks up at arrival) up to ten minutes. A run stamped later is
+# a later request's, and a place where every block is held that late is not this admission's; and
+# the rule's decision for a request is final once the stream is known that far (ledger_state.py).
+ADMISSION_WINDOW_NS = 600 * 1_000_000_000
 # The simulators' requests (analyzers/sim_vllm.py, sim_lru.py) carry their look-up as their time
 # and their events are stamped to agree: the time rule is theirs by construction.
 SIMULATED = "sim"
@@ -106,14 +115,15 @@ def _own_run(ev: dict[str, np.ndarray], e: int, chain: list[int], j: int) -> boo
 
 
 def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
-         after: int, claimed: set[int]) -> int:
-    """The first unclaimed own run's row at or after stream index ``after``; -1 when there is none."""
+         after: int, upto: int, claimed: set[int]) -> int:
+    """The first unclaimed own run's row at or after stream index ``after`` and before ``upto``; -1
+    when there is none."""
     best = -1
     for j, h in enumerate(chain):
         rows = index.get((loc, h), ())
         first = bisect.bisect_left(rows, after)
         for e in rows[first:first + _CANDIDATES]:
-            if best >= 0 and e >= best:
+            if e >= upto or (best >= 0 and e >= best):
                 break
             if e not in claimed and _own_run(ev, e, chain, j):
                 best = e
@@ -131,12 +141,12 @@ def _held_at(ev: dict[str, np.ndarray], loc: int, h: int, place: int, last_store
 
 
 def _all_held(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
-              start: int, claimed: set[int]) -> int:
-    """The first stream place from ``start`` on where ``loc`` holds every block of ``chain``, each
-    from a run an earlier request claimed (``start`` when none is found): a request that stored
-    nothing found them all cached. A block held only through a run nobody claimed is not taken as
-    a hit (measured live: a request the engine served with 0 hits matched no run of its own, and
-    the first place holding its blocks gave it 704 hit tokens)."""
+              start: int, upto: int, claimed: set[int]) -> int:
+    """The first stream place from ``start`` on (at most ``upto``) where ``loc`` holds every block
+    of ``chain``, each from a run an earlier request claimed (``start`` when none is found): a
+    request that stored nothing found them all cached. A block held only through a run nobody
+    claimed is not taken as a hit (measured live: a request the engine served with 0 hits matched
+    no run of its own, and the first place holding its blocks gave it 704 hit tokens)."""
     place = start
     for _ in range(2):  # a later place found for one block is checked again for the others
         for h in chain:
@@ -145,7 +155,7 @@ def _all_held(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]]
             if before >= 0 and _held_at(ev, loc, h, place, rows[before]):
                 continue
             later = rows[before + 1] if before + 1 < len(rows) else -1
-            if later < 0:
+            if later < 0 or later >= upto:
                 return start
             place = later + 1
     held = [index[(loc, h)][bisect.bisect_left(index[(loc, h)], place) - 1] for h in chain]
@@ -168,8 +178,8 @@ def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
     return shared >= 0 and bool((ev_loc[lo:hi] == shared).any())
 
 
-def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
-                   req_loc: np.ndarray, shared: int = -1) -> tuple[np.ndarray, np.ndarray]:
+def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, req_loc: np.ndarray,
+                   shared: int = -1, claimed: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray]:
     """Per request (``req``'s order): how many events of the sorted stream its look-up sees, and
     the stream place of the run it was anchored at (-1: it found none, -2: it keeps the time rule).
 
@@ -179,14 +189,17 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     ``position``, ``block_hash_i64``). A request without its own run gets the events stamped
     strictly before its look-up time, the replay's rule for one request at a time; so does one
     whose own run lies across events of the shared pool (location ``shared``), whose stores
-    another replica's scheduler made: the rule orders one engine's admissions only.
+    another replica's scheduler made: the rule orders one engine's admissions only. ``claimed``:
+    runs (their first stored row's place) that requests before these, in look-up order, took.
     """
     ts = ev["ev_ts"]
     look = req["lookup_ns"].to_numpy()
     by_time = np.searchsorted(ts, look, side="left")
     single = _single_group_locations(ev["ev_loc"], ev["ev_grp"])
-    # The batch of the admitting step is stamped after the request arrived.
+    # The batch of the admitting step is stamped after the request arrived, and within
+    # ADMISSION_WINDOW_NS of its look-up time.
     after = np.searchsorted(ts, req["arrival_ns"].to_numpy(), side="right")
+    upto = np.searchsorted(ts, look + ADMISSION_WINDOW_NS, side="right")
     cuts = by_time.astype(np.int64)
     owns = np.full(req.height, -2, np.int64)
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy() if "source" in req.columns \
@@ -199,17 +212,17 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     ids = req["request_id"].to_list()
     # One BlockStored event comes from one request's allocation: in look-up-time order, each
     # request takes the first run no request before it took.
-    claimed: set[int] = set()
+    taken: set[int] = set(claimed)
     anchored = [i for i in np.argsort(look, kind="stable").tolist() if candidates[i] and chains.get(ids[i])]
     index = _stored_index(ev["ev_kind"], ev["ev_loc"], ev["ev_h"])
     for i in anchored:
         chain = chains[ids[i]]
-        own = _cut(ev, index, int(req_loc[i]), chain, int(after[i]), claimed)
+        own = _cut(ev, index, int(req_loc[i]), chain, int(after[i]), int(upto[i]), taken)
         owns[i] = own
         if own < 0:
-            cuts[i] = _all_held(ev, index, int(req_loc[i]), chain, int(by_time[i]), claimed)
+            cuts[i] = _all_held(ev, index, int(req_loc[i]), chain, int(by_time[i]), int(upto[i]), taken)
             continue
-        claimed.add(own)
+        taken.add(own)
         # Only a run published after the look-up time is a step's batch the engine stamped
         # after admitting (a simulator stamps a request's stores at its look-up: the time
         # rule is already exact there).

@@ -33,12 +33,10 @@ What continuing takes, per output table. ``block_outcomes`` continues (analyzers
 the replay's residency bit masks per block row and location, copy counts, content/namespace maps
 and last removals are saved as arrays at a checkpoint, with the groups each location publishes
 (a location or group that starts publishing refuses the state) and the block hashes needed so far
-(``reusable``). Not built yet: analyzers/admission.py's run claims and the stores before the
-checkpoint that ``_all_held`` looks back at, so a scenario whose requests are anchored at their own
-stores replays in full; and a request with no run of its own stays open for ever (new stores can
-still be its run) unless the rule gets a bound on how long after arrival a run can still be the
-request's admission (the engine admits within the request's queue time), which would change
-outcomes and goldens. Append-only per request next: ``request_ledger``, ``request_sources`` and
+(``reusable``), and the runs settled requests were admitted at (analyzers/admission.py's claims):
+requests anchored at their own stores (a real vLLM's) are admitted over the whole stream with
+those runs taken; a request that found no run of its own settles once the checkpoint is
+``ADMISSION_WINDOW_NS`` (10 minutes) past its look-up. Append-only per request next: ``request_ledger``, ``request_sources`` and
 ``reuse`` (the Fenwick tree and last slot per key of analyzers/reuse.py's stack kernels, per stream).
 
 DESIGN.md section 7 computes the ledger past one machine the same way (per time window, the cache

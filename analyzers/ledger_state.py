@@ -15,16 +15,24 @@ replays only the events from ``T_c`` on for the requests that arrived from ``T_c
   admission (analyzers/admission.py) cannot move. A request on the time rule sees the events
   stamped before its look-up time, so it qualifies by its time; one anchored at its own run
   qualifies once that run lies before the checkpoint (an earlier run stays the earliest: new runs
-  come later); one that found no run of its own never does (new stores can still be its run);
+  come later); one that found no run of its own qualifies once the checkpoint is
+  ``ADMISSION_WINDOW_NS`` past its look-up time (admission.py looks no further for its run, nor for
+  the place where it found its blocks held);
 - the ledger is ordered by look-up place, then look-up time: the settled rows precede every
   replayed one, and keep their order.
 
 What a continuation checks before it trusts the state (any failure rebuilds the scenario's ledger
 in full, and says why): the KV cache groups each location publishes, and their sliding windows,
 are those the settled rows were decided with; no location starts publishing; locations first
-seen after the checkpoint appear in the same order; no request after the checkpoint is anchored
-at its own run (continuing admission's run claims is not built yet) or looks up before it; no
-request id arrives again; the transfers of settled requests are those counted at the checkpoint.
+seen after the checkpoint appear in the same order; no request after the checkpoint looks up
+before it; no request id arrives again; the transfers of settled requests are those counted at the
+checkpoint; when requests after it are anchored at their own runs, the events before it are those
+it counted.
+
+Requests anchored at their own stores (a real vLLM's) continue too: the state keeps the runs the
+settled requests claimed (``claimed``), and the requests after the checkpoint are admitted over the
+whole event stream with those runs taken (outcomes.py ``_admitted_after``): in look-up order the
+settled requests come first, so these are the claims a full admission holds when it reaches them.
 
 The state is stored as one ``.npz`` file (deflated, no pickles) in the analysis DB's
 ``kvlens_ledger`` table, written in the same file as the results.
@@ -32,12 +40,15 @@ The state is stored as one ``.npz`` file (deflated, no pickles) in the analysis 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import zipfile
 from dataclasses import dataclass
 
 import numpy as np
+
+from kvlens.analyzers import admission
 
 __all__ = ["LEDGER_TABLE", "LedgerState", "checkpoint"]
 
@@ -64,6 +75,8 @@ class LedgerState:
     arrays: tuple[np.ndarray, ...]  # replay_resume's state
     needed: np.ndarray  # int64: block hashes the settled requests needed (for ``reusable``)
     settled_transfers: int  # loads stamped from T_c on for requests that may be settled
+    # stream places of the runs settled requests were admitted at (analyzers/admission.py's claims)
+    claimed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
     def to_bytes(self) -> bytes:
         meta = {"checkpoint_ns": self.checkpoint_ns, "events": self.events, "locations": list(self.locations),
@@ -72,7 +85,8 @@ class LedgerState:
                 "prefix_specs": self.prefix_specs, "settled_transfers": self.settled_transfers}
         arrays: dict[str, np.ndarray] = {
             "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), "loc_grp": self.loc_grp,
-            "windows": self.windows, "needed": self.needed, **dict(zip(_ARRAYS, self.arrays, strict=True))}
+            "windows": self.windows, "needed": self.needed, "claimed": self.claimed,
+            **dict(zip(_ARRAYS, self.arrays, strict=True))}
         # An .npz (a zip of .npy files, what np.load reads), deflated at level 1: a fleet's state
         # shrinks 5 to 10 times (the demo's rr8: 11.3 MB to 1.2 MB) for about 0.04 s.
         buf = io.BytesIO()
@@ -92,7 +106,8 @@ class LedgerState:
                        group_idx=tuple(int(g) for g in meta["group_idx"]), loc_grp=f["loc_grp"],
                        windows=f["windows"], prefix_specs=meta["prefix_specs"],
                        arrays=tuple(f[name] for name in _ARRAYS), needed=f["needed"],
-                       settled_transfers=int(meta["settled_transfers"]))
+                       settled_transfers=int(meta["settled_transfers"]),
+                       claimed=f["claimed"] if "claimed" in f.files else np.zeros(0, np.int64))
 
 
 def checkpoint(ev_ts: np.ndarray, offset: int, start_ns: int | None, horizon_ns: int, lookup: np.ndarray,
@@ -105,7 +120,9 @@ def checkpoint(ev_ts: np.ndarray, offset: int, start_ns: int | None, horizon_ns:
     t = int(horizon_ns)
     while True:
         place = offset + int(np.searchsorted(ev_ts, t, side="left"))
-        open_ = (lookup < t) & ((cut > place) | (own == -1) | (own >= place))
+        # No run found: final once the stream is known to ADMISSION_WINDOW_NS past the look-up.
+        unfound = (own == -1) & (lookup + admission.ADMISSION_WINDOW_NS >= t)
+        open_ = (lookup < t) & ((cut > place) | unfound | (own >= place))
         if not open_.any():
             break
         t = int(lookup[open_].min())

@@ -304,8 +304,9 @@ def ledger_outcomes(
         start = LedgerState(
             checkpoint_ns=0, events=0, locations=tuple(locs.names), event_locations=event_locs,
             prefix_locations=0, namespaces=(), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
-            prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0)
-        state = _next_state(start, mark, ev, specs, full, spaces, saved, requests, transfers)
+            prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0,
+            claimed=np.zeros(0, np.int64))
+        state = _next_state(start, mark, ev, specs, req, full, spaces, saved, requests, transfers)
     return Ledger(frame, state, refused, req.height, partitions.count or 0 if partitions else 0)
 
 
@@ -361,10 +362,12 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy()
     has_blocks = req["request_id"].is_in(full["request_id"].unique()).to_numpy()
-    anchored = int((np.isin(req_loc, single) & ~simulated & has_blocks).sum())
-    if anchored:
-        raise _CannotContinue(f"{anchored} request(s) after the checkpoint are admitted at their own stores "
-                              "(analyzers/admission.py): continuing admission's run claims is not built yet")
+    if (np.isin(req_loc, single) & ~simulated & has_blocks).any():
+        # Anchored at their own stores (a real vLLM's requests): admission over the whole stream.
+        cuts, owns = _admitted_after(kv_events, req, full, locs, st)
+        req, full = _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64),
+                                              own=pl.Series(owns, dtype=pl.Int64)), full.drop("cut"))
+        req_loc = locs.encode(req["replica"])
     full = full.with_columns(reusable=pl.col("reusable") | pl.Series(_u64_as_i64(full["block_hash"]))
                              .is_in(pl.Series(st.needed).implode()))
     mark = None
@@ -377,23 +380,41 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     kept = (resume.previous.order("rowid").select(*new.columns).pl()
             .filter(~pl.col("request_id").is_in(req["request_id"].implode())))
     frame = pl.concat([kept.cast(dict(new.schema)), new])
-    state = _next_state(st, mark, ev, specs, full, spaces, saved, requests, transfers) if mark else None
+    state = _next_state(st, mark, ev, specs, req, full, spaces, saved, requests, transfers) if mark else None
     return Ledger(frame, state, None, req.height)
 
 
+def _admitted_after(kv_events: duckdb.DuckDBPyRelation, req: pl.DataFrame, full: pl.DataFrame, locs: _Codes,
+                    st: LedgerState) -> tuple[np.ndarray, np.ndarray]:
+    """Admission (analyzers/admission.py) of the requests after the checkpoint, in ``req``'s order:
+    over the whole event stream (a request's own run, or the stores it found held, may lie before
+    the checkpoint), with the runs the settled requests claimed taken already. The settled
+    requests come first in look-up order, so their claims are exactly those a full admission
+    makes before it reaches these requests: the cuts are a full admission's."""
+    ev, _, _ = _events(kv_events, _Codes(locs.names), _Codes(st.namespaces), st.group_idx)
+    if int(np.searchsorted(ev["ev_ts"], st.checkpoint_ns, side="left")) != st.events:
+        raise _CannotContinue("the events stamped before the checkpoint are not those it counted")
+    hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
+    return admission_cuts(ev, req, hashed, locs.encode(req["replica"]), locs.index.get(POOL_LOCATION, -1),
+                          claimed=st.claimed.tolist())
+
+
 def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray], specs: pl.DataFrame,
-                full: pl.DataFrame, spaces: _Codes, arrays: tuple[np.ndarray, ...],
+                req: pl.DataFrame, full: pl.DataFrame, spaces: _Codes, arrays: tuple[np.ndarray, ...],
                 requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation) -> LedgerState:
     """The state at checkpoint ``mark`` (time, stream place), from ``st`` (the one the replay started
-    at) and what the replay read after it: its events (``ev``, ``specs``) and blocks (``full``)."""
+    at) and what the replay read after it: its events (``ev``, ``specs``), requests (``req``, with
+    admission's ``own`` run) and blocks (``full``)."""
     local = mark[1] - st.events  # events of ``ev`` before the new checkpoint
     prefix = _specs_of(st.prefix_specs, specs)
+    settled = req.filter((pl.col("lookup_ns") < mark[0]) & (pl.col("own") >= 0))["own"].to_numpy()
     return dataclasses.replace(
         st, checkpoint_ns=mark[0], events=mark[1], namespaces=tuple(spaces.names), arrays=arrays,
         prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),
         prefix_specs=json.dumps(_firsts(pl.concat([prefix, specs.head(local)])).rows()),
         needed=np.union1d(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
-        settled_transfers=_settled_transfers(requests, transfers, mark[0]))
+        settled_transfers=_settled_transfers(requests, transfers, mark[0]),
+        claimed=np.union1d(st.claimed, settled).astype(np.int64))
 
 
 def _specs_of(saved: str, like: pl.DataFrame) -> pl.DataFrame:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.admission import admission_cuts
+from kvlens.analyzers.admission import ADMISSION_WINDOW_NS, admission_cuts
 
 A, B, C, D = 11, 12, 13, 14
 
@@ -42,3 +42,29 @@ def test_a_request_with_a_block_never_stored_keeps_its_time() -> None:
     req, full = _requests({"x": (10, [A, B]), "y": (20, [A, B, C])})
     cuts, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert cuts.tolist() == [0, 0]
+
+
+def test_a_run_past_the_admission_window_is_not_the_request_s() -> None:
+    # x needs A; the only run of A is stamped more than ADMISSION_WINDOW_NS after x looked up: a
+    # later request's, never x's (vLLM publishes a step's stores when the step ends), so x keeps
+    # its time; a run inside the window is x's.
+    late, inside = 10 + ADMISSION_WINDOW_NS + 1, 10 + ADMISSION_WINDOW_NS
+    req, full = _requests({"x": (10, [A])})
+    for stamp, own in ((late, -1), (inside, 1)):  # 1: the run is the stream's second row
+        ev = _stream([(5, 0, B, 0), (stamp, 0, A, 0)])
+        cuts, owns = admission_cuts(ev, req, full, np.zeros(1, np.int64))
+        assert owns.tolist() == [own], stamp
+        assert cuts.tolist() == [1], stamp  # its time (after B), or just before its own run
+
+
+def test_runs_claimed_before_are_not_taken_again() -> None:
+    # x and y need A; runs of A at 100 and 300. Admitted together, x takes the first and y the
+    # second; y admitted alone with x's run claimed gets the same run.
+    ev = _stream([(100, 0, A, 0), (200, 1, A, 0), (300, 0, A, 0)])
+    req, full = _requests({"x": (10, [A]), "y": (20, [A])})
+    _, both = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    assert both.tolist() == [0, 2]
+    y_req, y_full = _requests({"y": (20, [A])})
+    _, alone = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64), claimed=[0])
+    _, unaware = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64))
+    assert alone.tolist() == [2] and unaware.tolist() == [0]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import duckdb
+import polars as pl
 import pytest
 from capture_lines import gateway_lines
 from click.testing import CliRunner
@@ -23,7 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from incremental_lake import source_lake
 from polars.testing import assert_frame_equal
+from test_ledger import BLOCK, _blocks, _ev, _request, _write, at
 
+from kvlens.analyzers import admission
 from kvlens.analyzers.ledger_state import LedgerState
 from kvlens.analyzers.outcomes import Ledger, Resume, ledger_outcomes
 from kvlens.cli import cli
@@ -143,14 +146,27 @@ def test_a_lake_on_the_time_rule_continues_from_any_cut(name: str, request: pyte
 
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
-def test_a_capture_anchored_at_its_stores_is_replayed_in_full(captured: Lake, con: duckdb.DuckDBPyConnection,
-                                                              at: float) -> None:
-    """Requests admitted at their own stores need admission's run claims, which are not carried:
-    the continuation says so and replays everything (still equal)."""
+def test_a_capture_anchored_at_its_stores_continues(captured: Lake, con: duckdb.DuckDBPyConnection,
+                                                     at: float, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real vLLM capture: its requests are admitted at their own stores (analyzers/admission.py);
+    the state carries the runs settled requests claimed, and the rest are admitted over the whole
+    stream: equal to a full replay. The capture lasts 5 s, so admission's window (10 minutes in
+    production, the longest a request's run may follow its look-up) is cut to 0.5 s here: requests
+    that found no run of their own then settle too, and later cuts replay fewer requests."""
+    monkeypatch.setattr(admission, "ADMISSION_WINDOW_NS", 500_000_000)
     x = captured.first + round((captured.last - captured.first) * at)
     _, resumed, full = _continued_and_full(con, captured, x)
-    assert resumed.refused is not None and "admitted at their own stores" in resumed.refused
-    assert resumed.replayed == full.replayed
+    assert resumed.refused is None and resumed.replayed <= full.replayed
+
+
+def test_a_capture_continues_past_the_window(captured: Lake, con: duckdb.DuckDBPyConnection,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """At 90% of the capture with a 0.5 s window, most requests are settled: 37 of 300 replayed."""
+    monkeypatch.setattr(admission, "ADMISSION_WINDOW_NS", 500_000_000)
+    x = captured.first + round((captured.last - captured.first) * 0.9)
+    _, resumed, full = _continued_and_full(con, captured, x)
+    assert resumed.refused is None and full.replayed == 300
+    assert resumed.replayed < full.replayed // 4, resumed.replayed
 
 
 def test_a_replica_that_starts_publishing_is_replayed_in_full(simulated: Lake,
@@ -184,3 +200,30 @@ def test_a_late_load_of_a_settled_request_is_replayed_in_full(simulated: Lake,
     _, resumed, _ = _continued_and_full(con, simulated, x, {"transfers": late})
     assert resumed.refused == "a request settled at the checkpoint has a load stamped after it"
 
+
+
+def test_the_runs_settled_requests_claimed_stay_theirs(tmp_path: Path,
+                                                       con: duckdb.DuckDBPyConnection) -> None:
+    """X (arrives at 1 s) and Y (arrives at 1.5 s, queues 3 s) need the same block A on replica r0.
+    X's run stores A at 2 s, it is evicted at 3 s, r1 stores A at 4.7 s and Y's run stores it
+    again at 5 s. Admission gives X the run at 2 s and Y the one at 5 s, so Y looks up after r1's
+    store (miss_routing). Cut at 4 s: X is settled with its run; continuing, Y must not take X's run
+    (it arrived before it): the state carries the claim, and the ledger equals a full replay. (r1
+    publishes from 0.5 s: a location that starts publishing after the checkpoint refuses it.)"""
+    a, b = 301, 302
+    tail = BLOCK + 4
+    requests = [_request("X", 1.0, "r0", tail), _request("Y", 1.5, "r0", tail, queue_ms=3000.0),
+                _request("Z", 6.0, "r0", tail)]
+    blocks = [*_blocks("X", 1.0, [a], (901, 4)), *_blocks("Y", 1.5, [a], (902, 4)),
+              *_blocks("Z", 6.0, [b], (903, 4))]
+    events = [_ev(0.5, "r1", 1, "stored", 303), _ev(2.0, "r0", 1, "stored", a),
+              _ev(3.0, "r0", 2, "removed", a), _ev(4.7, "r1", 2, "stored", a), _ev(5.0, "r0", 3, "stored", a),
+              _ev(6.5, "r0", 4, "stored", b)]
+    for table, rows in (("requests", requests), ("request_blocks", blocks), ("kv_events", events)):
+        _write(tmp_path, "claims", table, rows)
+    lake = _span(tmp_path, "claims")
+    old, resumed, full = _continued_and_full(con, lake, at(4.0))
+    assert old.state is not None and old.state.claimed.tolist() == [1]  # X's run: the stream's second row
+    assert resumed.refused is None and resumed.replayed == 2  # Y and Z
+    y = full.frame.filter(pl.col("request_id") == "Y").row(0, named=True)
+    assert (y["outcome"], y["holder"]) == ("miss_routing", "r1")
