@@ -36,8 +36,9 @@ and last removals are saved as arrays at a checkpoint, with the groups each loca
 (``reusable``), and the runs settled requests were admitted at (analyzers/admission.py's claims):
 requests anchored at their own stores (a real vLLM's) are admitted over the whole stream with
 those runs taken; a request that found no run of its own settles once the checkpoint is
-``ADMISSION_WINDOW_NS`` (10 minutes) past its look-up. Append-only per request next: ``request_ledger``, ``request_sources`` and
-``reuse`` (the Fenwick tree and last slot per key of analyzers/reuse.py's stack kernels, per stream).
+``ADMISSION_WINDOW_NS`` (10 minutes) past its look-up. Append-only per request next:
+``request_ledger``, ``request_sources`` and ``reuse`` (the Fenwick tree and last slot per key of
+analyzers/reuse.py's stack kernels, per stream).
 
 DESIGN.md section 7 computes the ledger past one machine the same way (per time window, the cache
 state carried across windows), so issue 17's ledger builds on this. Mergeable aggregates:
