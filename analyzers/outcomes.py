@@ -307,7 +307,7 @@ def ledger_outcomes(
             prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0,
             claimed=np.zeros(0, np.int64))
         state = _next_state(start, mark, ev, specs, req, full, spaces, saved, requests, transfers)
-    return Ledger(frame, state, refused, req.height, partitions.count or 0 if partitions else 0)
+    return Ledger(frame, state, refused, req.height, (partitions.count or 0) if partitions else 0)
 
 
 def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
