@@ -3,14 +3,16 @@
 ``kvlens analyze --ray [ADDRESS]``: with an address (``ray://host:10001``, ``host:6379`` or
 ``auto``) it joins that cluster; without one it starts a local cluster for this process
 (``ray.init``) and shuts it down when the analysis ends, so no Ray process outlives it. Each
-partition's arrays go to the object store once; its task returns the partition's phase-1 states,
-gathered in partition order. Ray is an extra: ``pip install 'kvlens[ray]'``.
+partition's arrays go to the object store once; its task returns the partition's phase-1 states (or
+its reuse histogram), gathered in partition order, with at most two tasks per CPU in flight. Ray is
+an extra: ``pip install 'kvlens[ray]'``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,20 +63,29 @@ def ray_partitions(address: str | None, count: int | None = None) -> Iterator[Pa
     task = ray.remote(_call)
 
     def run(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[Any]:
-        refs = [task.remote(fn, *args) for args in parts]
-        for i, ref in enumerate(refs, 1):
+        # At most two tasks per CPU in flight: the partitions' arrays enter the object store a
+        # window at a time, not all at once (bounded memory on the driver and in the store).
+        pending: deque[Any] = deque()
+        todo = iter(parts)
+        done = 0
+        while True:
+            while len(pending) < 2 * max(cpus, 1) and (args := next(todo, None)) is not None:
+                pending.append(task.remote(fn, *args))
+            if not pending:
+                return
+            ref = pending.popleft()
+            done += 1
             try:
                 got = ray.get(ref)
             except ray.exceptions.RayError as e:  # a worker died, or the task raised
-                for left in refs[i:]:
+                for left in pending:
                     ray.cancel(left, force=True)
                 cause = getattr(e, "cause", None)  # a task's own exception (RayTaskError)
                 said = (f"{type(cause).__name__}: {cause}" if cause is not None
                         else str(e).strip().splitlines()[-1])
-                raise KvlensError(f"partition {i} of {len(refs)} failed {where}: {said}: see the Ray logs "
-                                  "(ray logs) and rerun; without --ray the same partitions run in this "
-                                  "process") from None
-            log.info("partition %d of %d done %s", i, len(refs), where)
+                raise KvlensError(f"partition {done} failed {where}: {said}: see the Ray logs (ray logs) and "
+                                  "rerun; without --ray the same partitions run in this process") from None
+            log.info("partition %d done %s", done, where)
             yield got
 
     try:
