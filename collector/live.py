@@ -126,6 +126,9 @@ def writer_id_for(sources: Sequence[Source]) -> str:
     return f"live-{text or 'default'}"
 
 
+_READER_JOIN_S = 10.0  # the reader polls in 100 ms steps: it ends within one after stop()
+
+
 class _ByteQueue:
     """A FIFO bounded in items and bytes; ``put`` blocks (back-pressure) until there is room."""
 
@@ -168,7 +171,10 @@ class LiveCollector:
         if not options.sources:
             raise ConfigError("no sources: give an endpoint or a kvlens.toml with [[fleet.replicas]]")
         self.opt = options
-        self.ctx = context or zmq.Context.instance()
+        # A context of its own, ended when ``run`` ends: the process's shared instance would be ended
+        # by the interpreter's exit instead, and zmq_ctx_term blocks there for any socket left open.
+        self._own_ctx = context is None
+        self.ctx = context or zmq.Context()
         self.metrics = metrics or CollectorMetrics()
         self.clock_ns = clock_ns
         self.writer_id = options.writer_id or writer_id_for(options.sources)
@@ -176,8 +182,9 @@ class LiveCollector:
                                     max_payload_bytes=options.max_payload_bytes)
         self.cols = KvColumns(options.keep_tokens)
         self.queue = _ByteQueue(options.queue_batches, options.queue_bytes)
+        self._replay = _ZmqReplay(self.ctx, options.replay_timeout_s)
         self.seq = SequenceTracker(options.sources, metrics=self.metrics, decoder=self.decoder,
-                                   cols=self.cols, transport=_ZmqReplay(self.ctx, options.replay_timeout_s),
+                                   cols=self.cols, transport=self._replay,
                                    spill=self._take_rows, chunk_rows=_ARROW_CHUNK_ROWS,
                                    max_gap_batches=options.max_gap_batches,
                                    replay_rounds=options.replay_rounds, clock_ns=clock_ns)
@@ -198,6 +205,8 @@ class LiveCollector:
         """Collect until ``stop()`` or ``duration_s``; always ends with a committed checkpoint."""
         deadline = None if duration_s is None else time.monotonic() + duration_s
         o = self.opt
+        if self._own_ctx and self.ctx.closed:  # run again after a run that ended its context
+            self.ctx = self._replay.ctx = zmq.Context()
         self.seq.resume(self._checkpoint_to_resume())
         reader = threading.Thread(target=self._reader, name="kvlens-zmq-reader", daemon=True)
         with SegmentWriter(o.lake, "kv_events", scenario=o.scenario, writer_id=self.writer_id,
@@ -216,12 +225,23 @@ class LiveCollector:
                 self._loop(deadline)
             finally:
                 self._stop.set()
-                reader.join(5)
+                reader.join(_READER_JOIN_S)
                 try:
                     self._final_flush()
                 finally:
                     if self._record:
                         self._record.close()
+                    self._end_context(reader)
+
+    def _end_context(self, reader: threading.Thread) -> None:
+        """End the context this collector made, once its reader closed its sockets (LINGER 0: nothing
+        waits); a reader still running keeps it open, and says so, rather than end it under it."""
+        if not self._own_ctx:
+            return
+        if reader.is_alive():
+            log.error("the ZMQ reader did not stop within %.0f s; its context is left open", _READER_JOIN_S)
+            return
+        self.ctx.destroy(linger=0)
 
     def _final_flush(self) -> None:
         """The last commit, retried; if the lake still refuses, say what the replay will bring back."""

@@ -8,6 +8,8 @@ packages, lazily), so what needs a package's registry stays in cli.py.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
+import os
 import re
 import signal
 import sys
@@ -86,11 +88,50 @@ def items_bar(label: str) -> Callable[[list[str]], Any]:
     return bar
 
 
+STOP_GRACE_ENV = "KVLENS_STOP_GRACE_S"
+# under the README unit's TimeoutStopSec (30 s) and Kubernetes' default termination grace (30 s): a
+# stop that hangs says where before the SIGKILL
+STOP_GRACE_S = 25.0
+
+
+def stop_grace_s() -> float:
+    """Seconds a stopped command has to exit: ``KVLENS_STOP_GRACE_S``, else 25."""
+    raw = os.environ.get(STOP_GRACE_ENV, "")
+    try:
+        value = float(raw) if raw else STOP_GRACE_S
+    except ValueError:
+        raise ConfigError(f"{STOP_GRACE_ENV}={raw!r} is not a number of seconds: unset it or give "
+                          "e.g. 25") from None
+    return value if value > 0 else STOP_GRACE_S
+
+
+def _arm_stop_watchdog(grace_s: float) -> None:
+    """After a stop signal, a shutdown that outlives ``grace_s`` prints every thread's stack to
+    stderr and exits with status 1 (faulthandler's watchdog thread: it needs neither the GIL nor a
+    live main thread). Left armed past the signal scope: a hang can come later, at the
+    interpreter's exit. Whatever was committed before stays; the collectors' checkpoints move only
+    with a commit, so their next start asks the publishers' replay for the rest."""
+    with contextlib.suppress(RuntimeError, ValueError, OSError):  # no usable stderr: no watchdog
+        faulthandler.dump_traceback_later(grace_s, exit=True, file=sys.stderr)
+
+
 @contextlib.contextmanager
 def stopped_by_signals(stop: Callable[[], object]) -> Iterator[None]:
     """While inside, SIGTERM and SIGINT call ``stop`` (the loop then ends as after its --duration);
-    the previous handlers come back on the way out. Every long-running command runs in one."""
-    previous = {sig: signal.signal(sig, lambda *_: stop()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    the previous handlers come back on the way out. Every long-running command runs in one.
+
+    A stop is bounded: past ``KVLENS_STOP_GRACE_S`` (25 s) after the first signal, the process
+    prints every thread's stack and exits (``_arm_stop_watchdog``)."""
+    grace_s = stop_grace_s()
+    stopping: list[bool] = []
+
+    def on_signal(*_: object) -> None:
+        if not stopping:
+            stopping.append(True)
+            _arm_stop_watchdog(grace_s)
+        stop()
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield
     finally:

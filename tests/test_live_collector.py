@@ -320,8 +320,20 @@ def _spawn(lake: Path, e: FakeEngine, log: Path, port: int | None = None) -> sub
     if port:
         args += ["--metrics-port", str(port)]
     with open(log, "ab") as err:
-        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        # a stop that hangs prints every thread's stack into the log before the tests' 20 s wait ends
+        env = {**os.environ, "PYTHONPATH": str(REPO), "KVLENS_STOP_GRACE_S": "15"}
         return subprocess.Popen(args, cwd=REPO, stdout=err, stderr=err, env=env)
+
+
+def stop_or_kill(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> int | None:
+    """SIGTERM, then the exit status; None (and SIGKILL, so no later test meets it) past the timeout."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        return None
 
 
 def _free_port() -> int:
@@ -358,9 +370,9 @@ def test_kill_9_mid_stream_then_restart_exactly_once(ctx: zmq.Context[Any], tmp_
         e.wait_subscribed(120)
         _wait(lambda: _rows(lake) >= n, 180)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, log.read_text()[-2000:]
+        code = stop_or_kill(proc, 60)
         e.close()
+    assert code == 0, log.read_text()[-2000:]
     got = _query(lake, "SELECT count(*), count(DISTINCT seq), min(seq), max(seq), "
                        "count(DISTINCT block_hash) FROM kv_events")
     assert got == [(n, n, 0, n - 1, n)]

@@ -3,7 +3,10 @@ numbers and a lake that refuses writes, from a real pyzmq publisher and ROUTER r
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,9 +16,9 @@ import msgspec
 import pytest
 import zmq
 from engine_frames import BlockStored, EventBatch, FakeEngine, encode
-from test_live_collector import Running, Stream, _free_port, _query, _spawn, _wait
+from test_live_collector import REPO, Running, Stream, _free_port, _query, _spawn, _wait, stop_or_kill
 
-from kvlens.collector.live import GAP_METRIC, LiveCollector, Source
+from kvlens.collector.live import GAP_METRIC, CollectorOptions, LiveCollector, Source
 from kvlens.schema import EventKind
 
 STRAY = 2**62
@@ -126,8 +129,7 @@ def test_poison_batches_are_skipped_and_a_restart_skips_them_again(ctx: zmq.Cont
         _wait(lambda: "kvlens_collector_received_batches_total" in _metrics(port)
               and _rows(lake) == len(good), 30)
         text = _metrics(port)
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(20) == 0, log.read_text()[-3000:]
+        assert stop_or_kill(proc) == 0, log.read_text()[-3000:]
         assert 'reason="ts"' in text and 'reason="dp_rank"' in text and 'reason="field:group_idx"' in text
         # A restart with no checkpoint of its own (another writer id) asks the replay ring for every
         # batch, the poison ones included: it skips them again and exits cleanly.
@@ -137,8 +139,7 @@ def test_poison_batches_are_skipped_and_a_restart_skips_them_again(ctx: zmq.Cont
         good.append(5000)
         _wait(lambda: _rows(tmp_path / "lake2") == len(good), 30)
     finally:
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(20)
+        code = stop_or_kill(proc)
         e.close()
     assert code == 0, log.read_text()[-3000:]
     assert "Traceback" not in log.read_text()
@@ -214,3 +215,72 @@ def test_rows_arrow_refuses_go_to_the_quarantine(tmp_path: Path) -> None:
     assert c.metrics.value("kvlens_collector_quarantined_rows_total") == 1
     spilled = list((tmp_path / "lake" / ".quarantine").glob("w-*.jsonl"))
     assert len(spilled) == 1 and '"seq": 2' in spilled[0].read_text()
+
+
+# -- a stop that hangs is bounded -------------------------------------------------------------
+
+def _stopped(code: str, grace_s: float) -> tuple[int | None, str, str]:
+    """Run ``code`` (it prints "ready" inside its signal scope), SIGTERM it: (status, stdout, stderr);
+    status None when it outlived 30 s (then it is killed)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "KVLENS_STOP_GRACE_S": str(grace_s)}
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          env=env, cwd=REPO) as proc:
+        assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            return None, out.decode(), err.decode()
+        return proc.returncode, out.decode(), err.decode()
+
+
+def test_a_stop_that_hangs_prints_the_stacks_and_exits() -> None:
+    """SIGTERM to a command whose loop ignores the stop: past KVLENS_STOP_GRACE_S the process prints
+    every thread's stack and exits 1, instead of living on (the collectors' supervisor and systemd
+    would otherwise wait, then SIGKILL it with no word of where it hung)."""
+    code = ("import threading\n"
+            "from kvlens.cli_kit import stopped_by_signals\n"
+            "def stuck_forever():\n"
+            "    threading.Event().wait()\n"
+            "with stopped_by_signals(lambda: None):\n"
+            "    print('ready', flush=True)\n"
+            "    stuck_forever()\n")
+    status, _, err = _stopped(code, 1)
+    assert status == 1, err
+    assert "Timeout (0:00:01)!" in err and "stuck_forever" in err, err
+
+
+def test_a_stop_within_the_grace_exits_cleanly() -> None:
+    """The watchdog only bounds a stop: a command that ends within the grace exits 0, and the armed
+    watchdog does not fire after the scope (the interpreter's exit cancels it)."""
+    code = ("import threading, time\n"
+            "from kvlens.cli_kit import stopped_by_signals\n"
+            "stop = threading.Event()\n"
+            "with stopped_by_signals(stop.set):\n"
+            "    print('ready', flush=True)\n"
+            "    stop.wait(60)\n"
+            "time.sleep(0.5)\n"
+            "print('stopped', flush=True)\n")
+    status, out, err = _stopped(code, 3)
+    assert (status, out) == (0, "stopped\n"), err
+    assert "Timeout" not in err
+
+
+def test_the_collector_ends_the_zmq_context_it_made(tmp_path: Path) -> None:
+    """A collector given no context makes its own and ends it when ``run`` ends: nothing is left for
+    zmq_ctx_term to wait on at the interpreter's exit."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    e = FakeEngine(ctx, b"t", ring=10)
+    try:
+        sources = [Source(e.endpoint, e.replay, "r1")]
+        c = LiveCollector(CollectorOptions(lake=tmp_path / "lake", sources=sources, flush_age_s=0.05,
+                                           replay_timeout_s=0.5))
+        c.run(duration_s=0.3)
+        assert c.ctx.closed
+        c.run(duration_s=0.2)  # a second run makes a new one, and ends it too
+        assert c.ctx.closed
+    finally:
+        e.close()
+        ctx.destroy(linger=0)
