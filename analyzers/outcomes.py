@@ -337,8 +337,22 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     req = req.filter(pl.col("lookup_ns") >= t_c)
     full = full.join(req.select("request_id"), on="request_id", how="semi")
     locs, spaces = _Codes(st.locations), _Codes(st.namespaces)
-    ev, specs, group_idx = _events(kv_events.filter(duckdb.ColumnExpression("ts_ns") >= t_c), locs, spaces,
-                                   st.group_idx)
+    single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
+    simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy()
+    has_blocks = req["request_id"].is_in(full["request_id"].unique()).to_numpy()
+    on_single = req["replica"].is_in([st.locations[i] for i in single]).fill_null(False).to_numpy()
+    # Anchored at their own stores (a real vLLM's requests): admission reads the whole stream, so
+    # the replay's events are its suffix from the checkpoint on, not a second read of the lake.
+    anchored = bool((on_single & ~simulated & has_blocks).any())
+    if anchored:
+        whole, specs, group_idx = _events(kv_events, locs, spaces, st.group_idx)
+        start = int(np.searchsorted(whole["ev_ts"], t_c, side="left"))
+        if start != st.events:
+            raise _CannotContinue("the events stamped before the checkpoint are not those it counted")
+        ev, specs = {k: v[start:] for k, v in whole.items()}, specs.slice(start)
+    else:
+        after = kv_events.filter(duckdb.ColumnExpression("ts_ns") >= t_c)
+        ev, specs, group_idx = _events(after, locs, spaces, st.group_idx)
     n_locs = st.loc_grp.shape[0]
     if (ev["ev_loc"] >= st.event_locations).any():
         raise _CannotContinue("a location started publishing KV events")
@@ -359,12 +373,8 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     windows = _windows(_firsts(pl.concat([_specs_of(st.prefix_specs, specs), specs])), group_idx, n_locs)
     if not np.array_equal(windows, st.windows):
         raise _CannotContinue("a KV cache group's sliding window changed")
-    single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
-    simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy()
-    has_blocks = req["request_id"].is_in(full["request_id"].unique()).to_numpy()
-    if (np.isin(req_loc, single) & ~simulated & has_blocks).any():
-        # Anchored at their own stores (a real vLLM's requests): admission over the whole stream.
-        cuts, owns = _admitted_after(kv_events, req, full, locs, st)
+    if anchored:
+        cuts, owns = _admitted_after(whole, req, full, locs, st)
         req, full = _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64),
                                               own=pl.Series(owns, dtype=pl.Int64)), full.drop("cut"))
         req_loc = locs.encode(req["replica"])
@@ -384,16 +394,13 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     return Ledger(frame, state, None, req.height)
 
 
-def _admitted_after(kv_events: duckdb.DuckDBPyRelation, req: pl.DataFrame, full: pl.DataFrame, locs: _Codes,
+def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, locs: _Codes,
                     st: LedgerState) -> tuple[np.ndarray, np.ndarray]:
     """Admission (analyzers/admission.py) of the requests after the checkpoint, in ``req``'s order:
     over the whole event stream (a request's own run, or the stores it found held, may lie before
     the checkpoint), with the runs the settled requests claimed taken already. The settled
     requests come first in look-up order, so their claims are exactly those a full admission
     makes before it reaches these requests: the cuts are a full admission's."""
-    ev, _, _ = _events(kv_events, _Codes(locs.names), _Codes(st.namespaces), st.group_idx)
-    if int(np.searchsorted(ev["ev_ts"], st.checkpoint_ns, side="left")) != st.events:
-        raise _CannotContinue("the events stamped before the checkpoint are not those it counted")
     hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
     return admission_cuts(ev, req, hashed, locs.encode(req["replica"]), locs.index.get(POOL_LOCATION, -1),
                           claimed=st.claimed.tolist())

@@ -32,7 +32,7 @@ import numpy as np
 from kvlens.analyzers.replay import block_states, decide_requests
 
 __all__ = ["ROWS_PER_PARTITION", "Partitions", "PhaseOne", "Runner", "States", "content_namespaces",
-           "in_process", "partition_of", "replay_partitioned"]
+           "in_process", "partition_of", "replay_partitioned", "split_by_partition"]
 
 _STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
 
@@ -79,6 +79,14 @@ class Partitions:
 def partition_of(hashes: np.ndarray, partitions: int) -> np.ndarray:
     """The partition of each block hash (int64 views of unsigned hashes): ``h mod K``, unsigned."""
     return (hashes.view(np.uint64) % np.uint64(partitions)).astype(np.int64)
+
+
+def split_by_partition(part: np.ndarray, partitions: int) -> list[np.ndarray]:
+    """The indices of each partition's rows, in stream order: one stable sort for all K (selecting
+    with ``part == k`` per partition costs K passes over the stream)."""
+    order = np.argsort(part, kind="stable")
+    ends = np.cumsum(np.bincount(part, minlength=partitions))
+    return np.split(order, ends[:-1])
 
 
 def content_namespaces(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarray, ev_ns: np.ndarray,
@@ -131,16 +139,17 @@ def replay_partitioned(ev_place: np.ndarray, ev_stamp: np.ndarray, ev_kind: np.n
     counts = np.diff(req_off)
     row_t = np.repeat(req_t, counts)
     row_loc = np.repeat(req_loc, counts)
-    ev_part = partition_of(ev_h, partitions)
-    blk_part = partition_of(blk_h, partitions)
     clears = ev_kind == _CLEARED
-    chosen: list[np.ndarray] = []
+    cleared = np.flatnonzero(clears)
+    # a clear's hash is not a block's: the clears go to every partition, not to h mod K's
+    ev_part = np.where(clears, partitions, partition_of(ev_h, partitions))
+    ev_parts = split_by_partition(ev_part, partitions + 1)
+    chosen = split_by_partition(partition_of(blk_h, partitions), partitions)
 
     def parts() -> Iterator[PhaseOne]:
         for p in range(partitions):
-            ev = np.flatnonzero(clears | (ev_part == p))
-            rows = np.flatnonzero(blk_part == p)
-            chosen.append(rows)
+            ev = np.sort(np.concatenate((ev_parts[p], cleared))) if cleared.size else ev_parts[p]
+            rows = chosen[p]
             yield (ev_place[ev], ev_stamp[ev], ev_kind[ev], ev_loc[ev], ev_tier[ev], ev_grp[ev], ev_h[ev],
                    ev_left[ev], row_t[rows], row_loc[rows], blk_h[rows], blk_xfer[rows], n_locs, pool_loc,
                    loc_grp)
