@@ -82,9 +82,13 @@ def partition_of(hashes: np.ndarray, partitions: int) -> np.ndarray:
 
 
 def split_by_partition(part: np.ndarray, partitions: int) -> list[np.ndarray]:
-    """The indices of each partition's rows, in stream order: one stable sort for all K (selecting
-    with ``part == k`` per partition costs K passes over the stream)."""
-    order = np.argsort(part, kind="stable")
+    """The indices of each partition's rows, in stream order. A pass per partition costs K passes
+    over the stream; past 8 partitions one stable radix sort of the codes (numpy sorts 16-bit
+    integers by radix) is cheaper: on 10M rows here, 0.12 s against 0.15 s at K = 8, 0.66 s against
+    0.13 s at K = 64, 2.2 s against 0.14 s at K = 256."""
+    if partitions <= 8 or partitions > np.iinfo(np.uint16).max:
+        return [np.flatnonzero(part == k) for k in range(partitions)]
+    order = np.argsort(part.astype(np.uint16), kind="stable")
     ends = np.cumsum(np.bincount(part, minlength=partitions))
     return np.split(order, ends[:-1])
 

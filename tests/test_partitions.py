@@ -29,7 +29,13 @@ from polars.testing import assert_frame_equal
 from test_ledger import _write_clear, _write_hand, replay_inputs
 from test_ledger_resume import Lake, _captured, _ledger, _relations, _span
 
-from kvlens.analyzers.partitions import ROWS_PER_PARTITION, Partitions, in_process, replay_partitioned
+from kvlens.analyzers.partitions import (
+    ROWS_PER_PARTITION,
+    Partitions,
+    in_process,
+    replay_partitioned,
+    split_by_partition,
+)
 from kvlens.analyzers.replay import loc_groups, replay_core
 from kvlens.cli import cli
 
@@ -274,3 +280,14 @@ def test_a_failed_ray_task_is_one_clear_error(tmp_path: Path) -> None:
     assert "partition 2 failed on Ray (local cluster" in done.stdout
     assert "partition one is broken" in done.stdout and "without --ray" in done.stdout
     _no_ray_left(before)
+
+
+@pytest.mark.parametrize("partitions", [1, 3, 8, 9, 64, 300])
+def test_split_by_partition_keeps_stream_order(partitions: int) -> None:
+    # Both ways of splitting (a pass per partition up to 8, a radix sort past it) give each
+    # partition its rows in stream order, every row exactly once.
+    part = np.random.default_rng(partitions).integers(0, partitions, 20_000)
+    got = split_by_partition(part, partitions)
+    assert len(got) == partitions
+    for k, rows in enumerate(got):
+        assert np.array_equal(rows, np.flatnonzero(part == k))
