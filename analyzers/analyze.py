@@ -109,7 +109,8 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     incremental.carry_scenario(con, scenario)
                 else:
                     plan = LedgerPlan(incremental.horizon(now), incremental.resume_of(con, scenario)
-                                      if decision.mode == "appended" else None, partitions=partitions)
+                                      if decision.mode == "appended" else None,
+                                      partitions=_shown(partitions, each, scenario))
                     yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                                 metrics_from=metrics_from, model_source=source, ledger=plan)
                     decision = _ledger_said(scenario, decision, plan)
@@ -123,6 +124,21 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
 
     path = build_analysis_db(db, lake, compute)
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
+
+
+def _shown(partitions: Partitions | None, bar: Any, scenario: str) -> Partitions | None:
+    """``partitions`` whose partitions, as each is gathered, show on the progress bar beside the
+    scenario ("rr8: ledger partition 3/8"): a run on a cluster can take minutes per scenario. (A
+    click bar's ``update(0, item)`` does not redraw: the item is set and the bar drawn.)"""
+    render = getattr(bar, "render_progress", None)
+    if partitions is None or render is None:
+        return partitions
+
+    def show(text: str) -> None:
+        bar.current_item = f"{scenario}: {text}"
+        render()
+
+    return partitions.saying(show)
 
 
 def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan) -> incremental.Decision:

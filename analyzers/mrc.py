@@ -30,7 +30,7 @@ import numba
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.partitions import Partitions, Runner, in_process, split_by_partition
+from kvlens.analyzers.partitions import Counted, Partitions, Runner, in_process, split_by_partition
 from kvlens.analyzers.reuse import (
     _SIZE,
     _SLOT,
@@ -262,7 +262,7 @@ def partition_histograms(keys: np.ndarray, sizes: np.ndarray | int = 1, *, parti
     part = _key_hashes(keys, np.uint64(seed)) % np.uint64(partitions)
     chosen = ((keys[rows], sizes_arr[rows], partitions)
               for rows in split_by_partition(part.astype(np.int64), partitions))
-    return list(run(partition_histogram, chosen))
+    return list(run(partition_histogram, Counted(chosen, partitions)))
 
 
 def partition_histogram(keys: np.ndarray, sizes: np.ndarray, partitions: int) -> ReuseHistogram:

@@ -24,15 +24,16 @@ equal ``replay_resume``'s from an empty state row for row (tests/test_partitions
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from kvlens.analyzers.replay import block_states, decide_requests
 
-__all__ = ["ROWS_PER_PARTITION", "Partitions", "PhaseOne", "Runner", "States", "content_namespaces",
-           "in_process", "partition_of", "replay_partitioned", "split_by_partition"]
+__all__ = ["ROWS_PER_PARTITION", "Counted", "Partitions", "PhaseOne", "Runner", "States",
+           "content_namespaces", "in_process", "partition_of", "replay_partitioned", "reporting",
+           "split_by_partition"]
 
 _STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
 
@@ -48,6 +49,35 @@ def in_process(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[An
     """The default runner: one partition at a time in this process."""
     for args in parts:
         yield fn(*args)
+
+
+class Counted(Iterator[Any]):
+    """Partitions' arguments, made one at a time (bounded memory), that know how many there are:
+    a runner's progress says "3/8"."""
+
+    def __init__(self, parts: Iterator[Any], total: int) -> None:
+        self._parts, self.total = parts, total
+
+    def __iter__(self) -> Counted:
+        return self
+
+    def __next__(self) -> Any:
+        return next(self._parts)
+
+
+# What a runner's progress calls each map: the ledger's phase 1, or the partitioned curve's histograms.
+_LABELS = {"block_states": "ledger", "partition_histogram": "curve"}
+
+
+def reporting(run: Runner, say: Callable[[str], object]) -> Runner:
+    """``run``, saying each partition done as it is gathered ("ledger partition 3/8")."""
+    def wrapped(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[Any]:
+        total = getattr(parts, "total", None)
+        label = _LABELS.get(getattr(fn, "__name__", ""), "partition")
+        for done, got in enumerate(run(fn, parts), 1):
+            say(f"{label} partition {done}/{total}" if total else f"{label} partition {done}")
+            yield got
+    return wrapped
 
 
 # Rows (needed blocks, or accesses) per partition when the count is chosen from a scenario's size.
@@ -74,6 +104,10 @@ class Partitions:
         if self.count is not None:
             return self.count
         return max(2 * self.workers, -(-rows // ROWS_PER_PARTITION))
+
+    def saying(self, say: Callable[[str], object]) -> Partitions:
+        """The same partitions, whose runner says each one done (the CLI's progress bar)."""
+        return replace(self, run=reporting(self.run, say))
 
 
 def partition_of(hashes: np.ndarray, partitions: int) -> np.ndarray:
@@ -164,7 +198,7 @@ def replay_partitioned(ev_place: np.ndarray, ev_stamp: np.ndarray, ev_kind: np.n
     holder = np.empty(n_blk, np.int32)
     rem_ts = np.empty(n_blk, np.int64)
     rem_loc = np.empty(n_blk, np.int32)
-    for p, got in enumerate(run(block_states, parts())):
+    for p, got in enumerate(run(block_states, Counted(parts(), partitions))):
         rows = chosen[p]
         src[rows], cause[rows], holder[rows], rem_ts[rows], rem_loc[rows] = got
     other = content_namespaces(ev_place, ev_kind, ev_c, ev_ns, row_t, blk_c, blk_ns)

@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -291,3 +292,27 @@ def test_split_by_partition_keeps_stream_order(partitions: int) -> None:
     assert len(got) == partitions
     for k, rows in enumerate(got):
         assert np.array_equal(rows, np.flatnonzero(part == k))
+
+
+def test_analyze_shows_each_partition_on_the_progress_bar(lakes: dict[str, Lake], tmp_path: Path) -> None:
+    # Issue 17's "shows progress": the bar beside each scenario says which partition was gathered.
+    from contextlib import contextmanager
+
+    from kvlens.analyzers.analyze import analyze_lake
+
+    shown: list[str] = []
+
+    class Bar(list):  # type: ignore[type-arg]
+        current_item = ""
+
+        def render_progress(self) -> None:
+            shown.append(self.current_item)
+
+    @contextmanager
+    def progress(items: list[str]) -> Iterator[Bar]:
+        yield Bar(items)
+
+    analyze_lake(lakes["capture"].path, tmp_path / "db.duckdb", progress=progress, partitions=Partitions(3))
+    scenario = "capture"
+    assert [s for s in shown if "ledger" in s] == [f"{scenario}: ledger partition {k}/3" for k in (1, 2, 3)]
+    assert [s for s in shown if "curve" in s] == [f"{scenario}: curve partition {k}/3" for k in (1, 2, 3)]
