@@ -390,7 +390,10 @@ def dashboard_cmd(**flags: Any) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Console entry point."""
+    """Console entry point: the command owns this process (a stop that hangs may end it)."""
+    from kvlens.cli_kit import own_the_process
+
+    own_the_process()
     cli.main(args=argv, prog_name="kvlens")
 
 

@@ -21,8 +21,8 @@ import click
 
 from kvlens.errors import ConfigError, InputError, KvlensError
 
-__all__ = ["Group", "LazyChoice", "given_model", "items_bar", "model_name", "parse_now", "parse_token_ids",
-           "progress_bar", "stopped_by_signals"]
+__all__ = ["Group", "LazyChoice", "given_model", "items_bar", "model_name", "own_the_process", "parse_now",
+           "parse_token_ids", "progress_bar", "stopped_by_signals"]
 
 
 def _one_line(text: str) -> str:
@@ -105,6 +105,17 @@ def stop_grace_s() -> float:
     return value if value > 0 else STOP_GRACE_S
 
 
+_OWNS_PROCESS = False  # set by the console entry (kvlens.cli.main): this process is the command
+
+
+def own_the_process() -> None:
+    """The command is this process (the console entry, ``python -m kvlens.cli``): a stop that
+    hangs may end it (``_arm_stop_watchdog``). Not in a library caller's process (a test runner,
+    an embedding program): there a signal scope only calls ``stop``."""
+    global _OWNS_PROCESS
+    _OWNS_PROCESS = True
+
+
 def _arm_stop_watchdog(grace_s: float) -> None:
     """After a stop signal, a shutdown that outlives ``grace_s`` prints every thread's stack to
     stderr and exits with status 1 (faulthandler's watchdog thread: it needs neither the GIL nor a
@@ -120,15 +131,17 @@ def stopped_by_signals(stop: Callable[[], object]) -> Iterator[None]:
     """While inside, SIGTERM and SIGINT call ``stop`` (the loop then ends as after its --duration);
     the previous handlers come back on the way out. Every long-running command runs in one.
 
-    A stop is bounded: past ``KVLENS_STOP_GRACE_S`` (25 s) after the first signal, the process
-    prints every thread's stack and exits (``_arm_stop_watchdog``)."""
+    A stop is bounded when the command owns its process (``own_the_process``): past
+    ``KVLENS_STOP_GRACE_S`` (25 s) after the first signal, the process prints every thread's stack
+    and exits (``_arm_stop_watchdog``)."""
     grace_s = stop_grace_s()
     stopping: list[bool] = []
 
     def on_signal(*_: object) -> None:
         if not stopping:
             stopping.append(True)
-            _arm_stop_watchdog(grace_s)
+            if _OWNS_PROCESS:
+                _arm_stop_watchdog(grace_s)
         stop()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}

@@ -241,7 +241,8 @@ def test_a_stop_that_hangs_prints_the_stacks_and_exits() -> None:
     every thread's stack and exits 1, instead of living on (the collectors' supervisor and systemd
     would otherwise wait, then SIGKILL it with no word of where it hung)."""
     code = ("import threading\n"
-            "from kvlens.cli_kit import stopped_by_signals\n"
+            "from kvlens.cli_kit import own_the_process, stopped_by_signals\n"
+            "own_the_process()\n"
             "def stuck_forever():\n"
             "    threading.Event().wait()\n"
             "with stopped_by_signals(lambda: None):\n"
@@ -256,7 +257,8 @@ def test_a_stop_within_the_grace_exits_cleanly() -> None:
     """The watchdog only bounds a stop: a command that ends within the grace exits 0, and the armed
     watchdog does not fire after the scope (the interpreter's exit cancels it)."""
     code = ("import threading, time\n"
-            "from kvlens.cli_kit import stopped_by_signals\n"
+            "from kvlens.cli_kit import own_the_process, stopped_by_signals\n"
+            "own_the_process()\n"
             "stop = threading.Event()\n"
             "with stopped_by_signals(stop.set):\n"
             "    print('ready', flush=True)\n"
@@ -284,3 +286,18 @@ def test_the_collector_ends_the_zmq_context_it_made(tmp_path: Path) -> None:
     finally:
         e.close()
         ctx.destroy(linger=0)
+
+
+def test_a_library_callers_process_is_never_ended_by_a_stop() -> None:
+    """In a process kvlens does not own (a test runner, an embedding program), a signal scope only
+    calls ``stop``: a slow stop there is the caller's, and no watchdog ends the caller's process."""
+    code = ("import threading, time\n"
+            "from kvlens.cli_kit import stopped_by_signals\n"
+            "stop = threading.Event()\n"
+            "with stopped_by_signals(stop.set):\n"
+            "    print('ready', flush=True)\n"
+            "    stop.wait(60)\n"
+            "time.sleep(2.5)  # past the grace below\n"
+            "print('stopped', flush=True)\n")
+    status, out, err = _stopped(code, 1)
+    assert (status, out) == (0, "stopped\n"), err
