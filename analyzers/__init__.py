@@ -50,8 +50,8 @@ SHARDS_RATE = 0.01
 @dataclass
 class LedgerPlan:
     """How ``analyze_scenario`` computes the ledger: from ``resume`` where it can, and with a state
-    saved at a checkpoint before ``horizon_ns`` (analyzers/ledger_state.py), or in ``partitions``
-    (a full replay, no state); ``result`` is set once the ledger is computed."""
+    saved at a checkpoint before ``horizon_ns`` (analyzers/ledger_state.py); a full replay runs in
+    ``partitions`` when given; ``result`` is set once the ledger is computed."""
 
     horizon_ns: int | None = None
     resume: Resume | None = None

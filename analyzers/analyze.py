@@ -144,19 +144,21 @@ def _shown(partitions: Partitions | None, bar: Any, scenario: str) -> Partitions
 def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan) -> incremental.Decision:
     """The decision, its reason extended with how the ledger of an appended scenario was computed."""
     result = plan.result
-    if plan.partitions is not None and result is not None:
-        said = (f"ledger replayed in {result.partitions} block-hash partitions {plan.partitions.where}, "
-                "no state saved (the next analysis replays it in full)")
-        log.info("scenario %s: %s", scenario, said)
-        return incremental.Decision(decision.mode, f"{decision.reason}; {said}")
-    if decision.mode != "appended" or result is None:
+    if result is None:
         return decision
-    if plan.resume is None:
-        said = "ledger replayed in full: no saved state"
+    where = ""
+    if plan.partitions is not None and result.partitions:
+        where = f" in {result.partitions} block-hash partitions {plan.partitions.where}"
+    if decision.mode != "appended" and not where:
+        return decision
+    if decision.mode != "appended":
+        said = f"ledger replayed{where}"
+    elif plan.resume is None:
+        said = f"ledger replayed in full{where}: no saved state"
     elif result.refused is not None:
-        said = f"ledger replayed in full: {result.refused}"
+        said = f"ledger replayed in full{where}: {result.refused}"
     else:
         said = (f"ledger continued from its checkpoint at {plan.resume.state.checkpoint_ns} ns, "
-                f"{result.replayed:,} requests replayed")
+                f"{result.replayed:,} requests replayed in this process")
     log.info("scenario %s: %s", scenario, said)
     return incremental.Decision(decision.mode, f"{decision.reason}; {said}")

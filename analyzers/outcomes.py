@@ -27,7 +27,7 @@ import polars as pl
 
 from kvlens.analyzers.admission import SIMULATED, admission_cuts
 from kvlens.analyzers.ledger_state import LedgerState, checkpoint
-from kvlens.analyzers.partitions import Partitions, replay_partitioned
+from kvlens.analyzers.partitions import Partitions, replay_partitioned_state
 from kvlens.analyzers.replay import (
     OUTCOME_CODES,
     SRC_CPU,
@@ -267,11 +267,10 @@ def ledger_outcomes(
     replay, with the reason in ``refused``), and with the state at a new checkpoint at most
     ``horizon_ns`` (analyzers/ledger_state.py) when given: the time before which no row can
     still arrive (the watermark less the lateness the next analysis accepts). With
-    ``partitions``, a full replay in block-hash partitions (analyzers/partitions.py), which
-    neither continues a state nor saves one."""
+    ``partitions``, a full replay runs in block-hash partitions (analyzers/partitions.py) and saves
+    the state gathered from theirs; a continuation runs in this process (it replays only the
+    requests after the checkpoint)."""
     refused = None
-    if partitions is not None:
-        resume, horizon_ns = None, None
     if resume is not None:
         try:
             return _continued(resume, requests=requests, request_blocks=request_blocks, kv_events=kv_events,
@@ -462,8 +461,9 @@ def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, fu
             req_loc: np.ndarray, blk_ns: np.ndarray, locs: _Codes, loc_grp: np.ndarray, windows: np.ndarray,
             state: tuple[np.ndarray, ...], snap: int,
             parts: Partitions | None = None) -> tuple[tuple[np.ndarray, ...], ...]:
-    """The compiled replay of ``req``'s look-ups (in order) at their stream places ``cut``; with
-    ``parts``, in block-hash partitions (analyzers/partitions.py: from an empty state, no snapshot)."""
+    """The compiled replay of ``req``'s look-ups (in order) at their stream places ``cut``, and the
+    state at stream place ``snap`` (``state`` when ``snap`` < 0); with ``parts``, in block-hash
+    partitions from an empty state (analyzers/partitions.py), the state gathered from theirs."""
     counts = full.group_by("request_id", maintain_order=True).len()
     per_req = (req.join(counts, on="request_id", how="left", maintain_order="left")["len"]
                .fill_null(0).to_numpy())
@@ -477,7 +477,9 @@ def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, fu
             full["xfer"].to_numpy().astype(np.int8), loc_grp.shape[0], locs.index.get(POOL_LOCATION, -1),
             windows, loc_grp)
     if parts is not None:
-        return replay_partitioned(*args, partitions=parts.for_rows(full.height), run=parts.run), state
+        outputs, saved = replay_partitioned_state(*args, partitions=parts.for_rows(full.height), snap=snap,
+                                                  run=parts.run)
+        return outputs, state if saved is None else saved
     return replay_resume(*args, state, snap)
 
 

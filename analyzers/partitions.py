@@ -23,23 +23,24 @@ equal ``replay_resume``'s from an empty state row for row (tests/test_partitions
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from kvlens.analyzers.replay import block_states, decide_requests
+from kvlens.analyzers.replay import TIERS, block_states, decide_requests
 
-__all__ = ["ROWS_PER_PARTITION", "Counted", "Partitions", "PhaseOne", "Runner", "States",
-           "content_namespaces", "in_process", "partition_of", "replay_partitioned", "reporting",
-           "split_by_partition"]
+__all__ = ["ROWS_PER_PARTITION", "Counted", "Partitions", "PhaseOne", "Runner", "State", "States",
+           "content_maps", "content_namespaces", "in_process", "merged_state", "partition_of",
+           "replay_partitioned", "replay_partitioned_state", "reporting", "split_by_partition"]
 
 _STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
 
 # One partition's arguments (for the ledger, ``block_states``' positional arguments).
 PhaseOne = tuple[Any, ...]
 States = tuple[np.ndarray, ...]  # ``block_states``' result
+State = tuple[np.ndarray, ...]  # ``replay_resume``'s state
 # Maps a function over partitions' arguments, yielding the results in the same order (the ledger's
 # phase 1, analyzers/mrc.py's partition histograms).
 Runner = Callable[[Callable[..., Any], Iterable[PhaseOne]], Iterator[Any]]
@@ -161,16 +162,26 @@ def content_namespaces(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarr
     return other
 
 
-def replay_partitioned(ev_place: np.ndarray, ev_stamp: np.ndarray, ev_kind: np.ndarray, ev_loc: np.ndarray,
-                       ev_tier: np.ndarray, ev_grp: np.ndarray, ev_h: np.ndarray, ev_c: np.ndarray,
-                       ev_ns: np.ndarray, ev_left: np.ndarray, req_t: np.ndarray, req_loc: np.ndarray,
-                       req_tail: np.ndarray, req_bs: np.ndarray, req_off: np.ndarray, blk_h: np.ndarray,
-                       blk_c: np.ndarray, blk_ns: np.ndarray, blk_xfer: np.ndarray, n_locs: int,
-                       pool_loc: int, loc_window: np.ndarray, loc_grp: np.ndarray, *, partitions: int,
-                       run: Runner = in_process) -> tuple[np.ndarray, ...]:
+def replay_partitioned(*args: Any, partitions: int, run: Runner = in_process) -> tuple[np.ndarray, ...]:
     """``replay_resume``'s outputs from an empty state (same arguments, no state or snapshot),
     computed as ``partitions`` block-hash partitions (phase 1, mapped by ``run``) and a pass per
-    request (phase 2)."""
+    request (phase 2): ``replay_partitioned_state``'s outputs, with no snapshot."""
+    outputs, _ = replay_partitioned_state(*args, partitions=partitions, run=run, snap=-1)
+    return outputs
+
+
+def replay_partitioned_state(ev_place: np.ndarray, ev_stamp: np.ndarray, ev_kind: np.ndarray,
+                             ev_loc: np.ndarray, ev_tier: np.ndarray, ev_grp: np.ndarray, ev_h: np.ndarray,
+                             ev_c: np.ndarray, ev_ns: np.ndarray, ev_left: np.ndarray, req_t: np.ndarray,
+                             req_loc: np.ndarray, req_tail: np.ndarray, req_bs: np.ndarray,
+                             req_off: np.ndarray, blk_h: np.ndarray, blk_c: np.ndarray, blk_ns: np.ndarray,
+                             blk_xfer: np.ndarray, n_locs: int, pool_loc: int, loc_window: np.ndarray,
+                             loc_grp: np.ndarray, *, partitions: int, snap: int,
+                             run: Runner = in_process) -> tuple[tuple[np.ndarray, ...], State | None]:
+    """``replay_resume``'s outputs from an empty state and, with ``snap`` >= 0, its state after
+    exactly the events with ``ev_place < snap`` (what the ledger saves at its checkpoint, and a
+    later analysis continues from in one process), gathered from the partitions' (``merged_state``);
+    None when ``snap`` < 0."""
     if partitions < 1:
         raise ValueError(f"partitions must be at least 1, got {partitions}")
     n_groups = loc_window.shape[1]
@@ -190,7 +201,7 @@ def replay_partitioned(ev_place: np.ndarray, ev_stamp: np.ndarray, ev_kind: np.n
             rows = chosen[p]
             yield (ev_place[ev], ev_stamp[ev], ev_kind[ev], ev_loc[ev], ev_tier[ev], ev_grp[ev], ev_h[ev],
                    ev_left[ev], row_t[rows], row_loc[rows], blk_h[rows], blk_xfer[rows], n_locs, pool_loc,
-                   loc_grp)
+                   loc_grp, snap)
 
     n_blk = blk_h.shape[0]
     src = np.empty((n_blk, n_groups), np.int8)
@@ -198,10 +209,47 @@ def replay_partitioned(ev_place: np.ndarray, ev_stamp: np.ndarray, ev_kind: np.n
     holder = np.empty(n_blk, np.int32)
     rem_ts = np.empty(n_blk, np.int64)
     rem_loc = np.empty(n_blk, np.int32)
+    snaps: list[tuple[np.ndarray, ...]] = []
     for p, got in enumerate(run(block_states, Counted(parts(), partitions))):
         rows = chosen[p]
-        src[rows], cause[rows], holder[rows], rem_ts[rows], rem_loc[rows] = got
+        src[rows], cause[rows], holder[rows], rem_ts[rows], rem_loc[rows] = got[:5]
+        snaps.append(got[5:])
     other = content_namespaces(ev_place, ev_kind, ev_c, ev_ns, row_t, blk_c, blk_ns)
-    return decide_requests(req_loc, req_tail, req_bs, req_off, loc_grp, loc_window, src,
-                           blk_xfer.astype(np.int8), cause, holder, rem_ts, rem_loc, other)
+    outputs = decide_requests(req_loc, req_tail, req_bs, req_off, loc_grp, loc_window, src,
+                              blk_xfer.astype(np.int8), cause, holder, rem_ts, rem_loc, other)
+    if snap < 0:
+        return outputs, None
+    content = content_maps(ev_place, ev_kind, ev_c, ev_ns, snap)
+    return outputs, merged_state(snaps, TIERS * n_locs * n_groups, content)
+
+
+def merged_state(snaps: Sequence[tuple[np.ndarray, ...]], n_slots: int,
+                 content: tuple[np.ndarray, ...]) -> State:
+    """The partitions' snapshots as one ``replay_resume`` state: their rows one after another (a
+    row's number only indexes its arrays), extra-copy keys ``row * n_slots + slot`` moved with
+    their rows, and the content maps (``content_maps``)."""
+    bases = np.cumsum([0] + [part[0].shape[0] for part in snaps])
+    keys = [(part[5] // n_slots + base) * n_slots + part[5] % n_slots
+            for part, base in zip(snaps, bases, strict=False)]
+    return (np.concatenate([part[0] for part in snaps]), np.concatenate([part[1] for part in snaps]),
+            np.concatenate([part[2] for part in snaps]), np.concatenate([part[3] for part in snaps]),
+            np.concatenate([part[4] for part in snaps]), np.concatenate(keys).astype(np.int64),
+            np.concatenate([part[6] for part in snaps]).astype(np.int64), *content)
+
+
+def content_maps(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarray, ev_ns: np.ndarray,
+                 snap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The one-process replay's content maps after the events with ``ev_place < snap``, as key and
+    value arrays (replay.py ``_note_content``: per content hash, the first namespace it was stored
+    under, and the first different one after it; a content hash of 0 or a namespace of -1 never
+    counts)."""
+    keep = (ev_kind == _STORED) & (ev_c != 0) & (ev_ns != -1) & (ev_place < snap)
+    place, c, ns = ev_place[keep], ev_c[keep], ev_ns[keep].astype(np.int64)
+    order = np.lexsort((place, c))
+    c, ns = c[order], ns[order]
+    contents, first = np.unique(c, return_index=True)
+    first_ns = ns[first]
+    differs = np.flatnonzero(ns != first_ns[np.searchsorted(contents, c)])
+    leaders = differs[np.unique(c[differs], return_index=True)[1]]
+    return contents.astype(np.int64), first_ns, c[leaders].astype(np.int64), ns[leaders]
 

@@ -49,8 +49,8 @@ from numba.typed import Dict
 
 from kvlens.schema import Outcome
 
-__all__ = ["OUTCOME_CODES", "SRC_CPU", "SRC_DISK", "SRC_GPU", "SRC_POOL", "SRC_TRANSFER", "XFER_FAILED",
-           "XFER_NONE", "XFER_OK", "loc_groups", "replay_core", "replay_resume"]
+__all__ = ["OUTCOME_CODES", "SRC_CPU", "SRC_DISK", "SRC_GPU", "SRC_POOL", "SRC_TRANSFER", "TIERS",
+           "XFER_FAILED", "XFER_NONE", "XFER_OK", "loc_groups", "replay_core", "replay_resume"]
 
 OUTCOME_CODES: tuple[Outcome, ...] = tuple(Outcome)
 _HIT_LOCAL = OUTCOME_CODES.index(Outcome.HIT_LOCAL)
@@ -75,6 +75,7 @@ SRC_GPU, SRC_CPU, SRC_DISK, SRC_TRANSFER, SRC_POOL = 0, 1, 2, 3, 4
 _SRC_FAILED, _SRC_NONE = 5, 6
 _SRC_OUTCOME = np.array([_HIT_LOCAL, _HIT_OFFLOAD, _HIT_OFFLOAD, _HIT_REMOTE, _HIT_REMOTE], np.int8)
 _TIERS = 3
+TIERS = _TIERS  # residency slots per (group, location): gpu, cpu, disk
 
 _NO_ROW = np.int64(-1)
 _BITS = 63  # per int64 word; a multiple of 3, so a location's tier bits sit in one word
@@ -620,13 +621,19 @@ CAUSE_NONE, CAUSE_HELD, CAUSE_REMOVED, CAUSE_NEVER = 0, 1, 2, 3  # why a block i
 
 @njit(cache=True)
 def block_states(ev_place, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_left,
-                 row_t, row_loc, blk_h, blk_xfer, n_locs, pool_loc, loc_grp):
+                 row_t, row_loc, blk_h, blk_xfer, n_locs, pool_loc, loc_grp, snap):
     """Phase 1: each needed block's state at its request's look-up, from the events of its own
     hash (and every clear): per block row, its source in each group the request's location looks
     up (a SRC_ code, ``_SRC_NONE`` for a group not looked up) and, when no group has it and no
     load failed, why (``CAUSE_HELD`` with the holder, ``CAUSE_REMOVED`` with the last removal,
     or ``CAUSE_NEVER``). Rows are given in look-up order (``row_t``, their request's place in
-    the stream: a row sees the events with ``ev_place < row_t``)."""
+    the stream: a row sees the events with ``ev_place < row_t``).
+
+    With ``snap`` >= 0, also this partition's cache after exactly the events with ``ev_place <
+    snap`` (look-ups change no state, so it is the one-process replay's at that place, restricted
+    to this partition's blocks): its rows' hashes, residency and extra-copy words, last removals
+    and extra copies (keys ``row * slots + slot``), as ``_snapshot`` gives them, without the
+    content maps (content is phase 2's); empty arrays when ``snap`` < 0."""
     n_groups = loc_grp.shape[1]
     n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
     n_blk = blk_h.shape[0]
@@ -643,10 +650,21 @@ def block_states(ev_place, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_
     c_first_ns = _dict_of(none, none)  # content is phase 2's (content_namespaces): left empty here
     c_other_ns = _dict_of(none, none)
     no_content = np.zeros(ev_kind.shape[0], np.int64)
+    saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, 0)
+    snapped = snap < 0
     n_rows = 0
     k = 0
     n_ev = ev_kind.shape[0]
-    for j in range(n_blk):
+    for j in range(n_blk + 1):
+        if not snapped and (j == n_blk or row_t[j] >= snap):
+            # every event applied so far lies before row_t[j - 1] <= snap: apply up to snap, copy
+            k, n_rows = _apply(k, n_ev, snap, ev_place, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, no_content,
+                               no_content, ev_left, ev_stamp, masks, extra, removed_ts, remover, rows, copies,
+                               c_first_ns, c_other_ns, n_rows, n_locs, n_groups)
+            saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows)
+            snapped = True
+        if j == n_blk:
+            break
         k, n_rows = _apply(k, n_ev, row_t[j], ev_place, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, no_content,
                            no_content, ev_left, ev_stamp, masks, extra, removed_ts, remover, rows, copies,
                            c_first_ns, c_other_ns, n_rows, n_locs, n_groups)
@@ -666,7 +684,8 @@ def block_states(ev_place, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_
             cause[j], rem_ts[j], rem_loc[j] = CAUSE_REMOVED, removed_ts[row], remover[row]
         else:
             cause[j] = CAUSE_NEVER
-    return src, cause, holder, rem_ts, rem_loc
+    return (src, cause, holder, rem_ts, rem_loc, saved[0], saved[1], saved[2], saved[3], saved[4], saved[5],
+            saved[6])
 
 
 @njit(cache=True)

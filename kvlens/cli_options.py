@@ -227,7 +227,7 @@ analyze_options = options(
                       "are unchanged is copied from the previous DB."),
     click.option("--partitions", type=click.IntRange(min=1), default=None, metavar="K",
                  help="Replay each analyzed scenario's ledger in K block-hash partitions (docs/scale.md): "
-                      "the same outcomes; saves no ledger state, so the next analysis replays in full."),
+                      "the same outcomes, and the same state saved for the next analysis to continue from."),
     click.option("--ray", "ray", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
                  help="Run the ledger's partitions as Ray tasks: on the cluster at ADDRESS (e.g. auto, "
                       "ray://head:10001), or on a local cluster started for this run (pip install "

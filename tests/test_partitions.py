@@ -316,3 +316,63 @@ def test_analyze_shows_each_partition_on_the_progress_bar(lakes: dict[str, Lake]
     scenario = "capture"
     assert [s for s in shown if "ledger" in s] == [f"{scenario}: ledger partition {k}/3" for k in (1, 2, 3)]
     assert [s for s in shown if "curve" in s] == [f"{scenario}: curve partition {k}/3" for k in (1, 2, 3)]
+
+
+def _state_by_hash(state: tuple[np.ndarray, ...], n_slots: int) -> tuple[dict[Any, Any], ...]:
+    """A replay state keyed by block hash, not by row number (rows only index the arrays)."""
+    row_hash, masks, extra, removed, remover, ck, cv, fk, fv, ok, ov = state
+    rows = {int(h): (masks[i].tolist(), extra[i].tolist(), int(removed[i]), int(remover[i]))
+            for i, h in enumerate(row_hash)}
+    copies = {(int(row_hash[k // n_slots]), int(k % n_slots)): int(v) for k, v in zip(ck, cv, strict=True)}
+    return rows, copies, dict(zip(fk.tolist(), fv.tolist(), strict=True)), dict(zip(ok.tolist(), ov.tolist(),
+                                                                                   strict=True))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replay_inputs(), st.integers(1, 5), st.integers(0, 45))
+def test_partitioned_state_at_a_checkpoint_equals_the_one_process_snapshot(args: tuple[Any, ...],
+                                                                          partitions: int, snap: int) -> None:
+    # What a partitioned full replay saves at its checkpoint is the state the one-process replay
+    # saves there (issue 16 with 17): the next analysis continues from it in one process.
+    from kvlens.analyzers.partitions import replay_partitioned_state
+    from kvlens.analyzers.replay import TIERS, replay_resume
+
+    ev_ts, ev_kind, ev_loc, _, ev_grp = args[:5]
+    n_locs, _, windows = args[-3:]
+    n_groups = windows.shape[1]
+    loc_grp = loc_groups(ev_kind, ev_loc, ev_grp, n_locs, n_groups)
+    n_words = (TIERS * n_locs * n_groups + 62) // 63
+    no = np.zeros(0, np.int64)
+    words = np.zeros((0, n_words), np.int64)
+    empty = (no, words, words.copy(), no, no, no, no, no, no, no, no)
+    want_out, want = replay_resume(ev_ts, *args, loc_grp, empty, snap)
+    got_out, got = replay_partitioned_state(ev_ts, *args, loc_grp, partitions=partitions, snap=snap)
+    assert [np.asarray(x).tolist() for x in got_out] == [np.asarray(x).tolist() for x in want_out]
+    assert got is not None
+    n_slots = TIERS * n_locs * n_groups
+    assert _state_by_hash(got, n_slots) == _state_by_hash(want, n_slots)
+
+
+def test_a_partitioned_analysis_saves_the_state_the_next_one_continues(tmp_path: Path) -> None:
+    # A full replay in partitions saves the state at its checkpoint; the next analysis of the
+    # grown lake continues from it (in this process) and the tables equal a one-process --full.
+    from incremental_lake import cut, row_bounds, source_lake
+
+    from kvlens.analyzers.analyze import analyze_lake
+
+    source = source_lake(tmp_path / "src", requests=300)
+    bounds = row_bounds(source, 3)
+    lake, db = tmp_path / "lake", tmp_path / "incr.duckdb"
+    said = []
+    for k in range(3):
+        cut(source, lake, None if k == 0 else bounds[k], bounds[k + 1], writer=f"inc{k}", scenarios=["rr2"])
+        said.append(dict((s, (m, why)) for s, m, why in
+                         analyze_lake(lake, db, partitions=Partitions(3)).modes)["rr2"])
+    assert said[0][0] == "full" and "ledger replayed in 3 block-hash partitions in process" in said[0][1]
+    for mode, why in said[1:]:
+        assert mode == "appended" and "ledger continued from its checkpoint" in why, why
+    with duckdb.connect(str(db), read_only=True) as con:
+        assert con.execute("SELECT count(*) FROM kvlens_ledger WHERE scenario = 'rr2'").fetchall() == [(1,)]
+    analyze_lake(lake, tmp_path / "full.duckdb", full=True)
+    _take_partitioned_curves(db)
+    assert assert_same_db(db, tmp_path / "full.duckdb")["block_outcomes"] > 0
