@@ -128,30 +128,39 @@ def split_by_partition(part: np.ndarray, partitions: int) -> list[np.ndarray]:
     return np.split(order, ends[:-1])
 
 
-def content_namespaces(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarray, ev_ns: np.ndarray,
-                       row_t: np.ndarray, blk_c: np.ndarray, blk_ns: np.ndarray) -> np.ndarray:
-    """Per block row, a namespace other than its own that its content hash was stored under
-    before its look-up (``row_t``: a row sees stores with ``ev_place < row_t``), or -1: what the
-    one-process replay's content maps answer (replay.py ``_note_content``/``_other_namespace``:
-    the first namespace a content hash is stored under, then the first different one; a content
-    hash of 0 or a namespace of -1 is unknown and never counts)."""
-    other = np.full(blk_c.shape[0], -1, np.int32)
-    keep = (ev_kind == _STORED) & (ev_c != 0) & (ev_ns != -1)
+def _first_two_namespaces(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarray, ev_ns: np.ndarray,
+                          keep: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Per content hash among the kept stores (sorted contents): the place and namespace it was
+    first stored under, and the place and namespace of the first store under a different one
+    (``int64`` max and -1 when none): what replay.py's ``_note_content`` keeps. A content hash of
+    0 and a namespace of -1 are unknown and never count."""
+    keep = keep & (ev_kind == _STORED) & (ev_c != 0) & (ev_ns != -1)
     place, c, ns = ev_place[keep], ev_c[keep], ev_ns[keep].astype(np.int64)
-    if c.shape[0] == 0:
-        return other
     order = np.lexsort((place, c))  # by content, then stream place
     place, c, ns = place[order], c[order], ns[order]
     contents, first = np.unique(c, return_index=True)
     first_place, first_ns = place[first], ns[first]
     group = np.searchsorted(contents, c)
-    differs = ns != first_ns[group]
     second_place = np.full(contents.shape[0], np.iinfo(np.int64).max, np.int64)
     second_ns = np.full(contents.shape[0], -1, np.int64)
-    at = np.flatnonzero(differs)
+    at = np.flatnonzero(ns != first_ns[group])
     # the first differing store of each content: ``at`` is in (content, place) order
     leaders = at[np.unique(group[at], return_index=True)[1]]
     second_place[group[leaders]], second_ns[group[leaders]] = place[leaders], ns[leaders]
+    return contents.astype(np.int64), first_place, first_ns, second_place, second_ns
+
+
+def content_namespaces(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarray, ev_ns: np.ndarray,
+                       row_t: np.ndarray, blk_c: np.ndarray, blk_ns: np.ndarray) -> np.ndarray:
+    """Per block row, a namespace other than its own that its content hash was stored under
+    before its look-up (``row_t``: a row sees stores with ``ev_place < row_t``), or -1: what the
+    one-process replay's content maps answer (replay.py ``_note_content``/``_other_namespace``:
+    the first namespace a content hash is stored under, then the first different one)."""
+    other = np.full(blk_c.shape[0], -1, np.int32)
+    contents, first_place, first_ns, second_place, second_ns = _first_two_namespaces(
+        ev_place, ev_kind, ev_c, ev_ns, np.ones(ev_kind.shape[0], np.bool_))
+    if contents.shape[0] == 0:
+        return other
     g = np.minimum(np.searchsorted(contents, blk_c), contents.shape[0] - 1)
     known = (blk_c != 0) & (blk_ns != -1) & (contents[g] == blk_c) & (first_place[g] < row_t)
     own = blk_ns.astype(np.int64)
@@ -240,16 +249,9 @@ def merged_state(snaps: Sequence[tuple[np.ndarray, ...]], n_slots: int,
 def content_maps(ev_place: np.ndarray, ev_kind: np.ndarray, ev_c: np.ndarray, ev_ns: np.ndarray,
                  snap: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """The one-process replay's content maps after the events with ``ev_place < snap``, as key and
-    value arrays (replay.py ``_note_content``: per content hash, the first namespace it was stored
-    under, and the first different one after it; a content hash of 0 or a namespace of -1 never
-    counts)."""
-    keep = (ev_kind == _STORED) & (ev_c != 0) & (ev_ns != -1) & (ev_place < snap)
-    place, c, ns = ev_place[keep], ev_c[keep], ev_ns[keep].astype(np.int64)
-    order = np.lexsort((place, c))
-    c, ns = c[order], ns[order]
-    contents, first = np.unique(c, return_index=True)
-    first_ns = ns[first]
-    differs = np.flatnonzero(ns != first_ns[np.searchsorted(contents, c)])
-    leaders = differs[np.unique(c[differs], return_index=True)[1]]
-    return contents.astype(np.int64), first_ns, c[leaders].astype(np.int64), ns[leaders]
-
+    value arrays: per content hash its first namespace, and the first different one where there
+    is one (``_first_two_namespaces``)."""
+    contents, _, first_ns, _, second_ns = _first_two_namespaces(ev_place, ev_kind, ev_c, ev_ns,
+                                                                ev_place < snap)
+    other = second_ns != -1
+    return contents, first_ns, contents[other], second_ns[other]

@@ -236,6 +236,20 @@ def _stopped(code: str, grace_s: float) -> tuple[int | None, str, str]:
         return proc.returncode, out.decode(), err.decode()
 
 
+def _stops_then_sleeps(sleep_s: float, *, owned: bool) -> str:
+    """A program whose signal scope stops at once; it then sleeps ``sleep_s`` and prints "stopped"."""
+    own = "from kvlens.cli_kit import own_the_process\nown_the_process()\n" if owned else ""
+    return ("import threading, time\n"
+            "from kvlens.cli_kit import stopped_by_signals\n"
+            f"{own}"
+            "stop = threading.Event()\n"
+            "with stopped_by_signals(stop.set):\n"
+            "    print('ready', flush=True)\n"
+            "    stop.wait(60)\n"
+            f"time.sleep({sleep_s})\n"
+            "print('stopped', flush=True)\n")
+
+
 def test_a_stop_that_hangs_prints_the_stacks_and_exits() -> None:
     """SIGTERM to a command whose loop ignores the stop: past KVLENS_STOP_GRACE_S the process prints
     every thread's stack and exits 1, instead of living on (the collectors' supervisor and systemd
@@ -256,16 +270,7 @@ def test_a_stop_that_hangs_prints_the_stacks_and_exits() -> None:
 def test_a_stop_within_the_grace_exits_cleanly() -> None:
     """The watchdog only bounds a stop: a command that ends within the grace exits 0, and the armed
     watchdog does not fire after the scope (the interpreter's exit cancels it)."""
-    code = ("import threading, time\n"
-            "from kvlens.cli_kit import own_the_process, stopped_by_signals\n"
-            "own_the_process()\n"
-            "stop = threading.Event()\n"
-            "with stopped_by_signals(stop.set):\n"
-            "    print('ready', flush=True)\n"
-            "    stop.wait(60)\n"
-            "time.sleep(0.5)\n"
-            "print('stopped', flush=True)\n")
-    status, out, err = _stopped(code, 3)
+    status, out, err = _stopped(_stops_then_sleeps(0.5, owned=True), 3)
     assert (status, out) == (0, "stopped\n"), err
     assert "Timeout" not in err
 
@@ -291,13 +296,5 @@ def test_the_collector_ends_the_zmq_context_it_made(tmp_path: Path) -> None:
 def test_a_library_callers_process_is_never_ended_by_a_stop() -> None:
     """In a process kvlens does not own (a test runner, an embedding program), a signal scope only
     calls ``stop``: a slow stop there is the caller's, and no watchdog ends the caller's process."""
-    code = ("import threading, time\n"
-            "from kvlens.cli_kit import stopped_by_signals\n"
-            "stop = threading.Event()\n"
-            "with stopped_by_signals(stop.set):\n"
-            "    print('ready', flush=True)\n"
-            "    stop.wait(60)\n"
-            "time.sleep(2.5)  # past the grace below\n"
-            "print('stopped', flush=True)\n")
-    status, out, err = _stopped(code, 1)
+    status, out, err = _stopped(_stops_then_sleeps(2.5, owned=False), 1)  # sleeps past the grace
     assert (status, out) == (0, "stopped\n"), err
