@@ -3,6 +3,8 @@
 Incremental by default: a scenario whose inputs are unchanged since the previous analysis DB is
 carried over from it, anything else is analyzed from the lake (analyzers/incremental.py says
 what counts as new data and when a scenario is rebuilt); ``full=True`` rebuilds every scenario.
+An incremental analysis writes into a copy of the previous DB: a carried scenario's rows stay as
+they are, and a continued ledger writes only its new rows.
 """
 
 from __future__ import annotations
@@ -85,6 +87,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     segments = incremental.snapshot(lake)
     previous = Path(db).resolve()
     code = incremental.code_digest()
+    base = None if full else incremental.base_of(previous, code)
 
     def compute(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
         present = [r[0] for r in con.execute(SCENARIOS_SQL).fetchall()]
@@ -106,24 +109,49 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                 decision = incremental.decide(now, before.get(scenario), full=full, no_state=no_state)
                 log.info("scenario %s: %s (%s)", scenario, decision.mode, decision.reason)
                 if decision.mode == "carried":
-                    incremental.carry_scenario(con, scenario)
+                    if base is not None:
+                        incremental.keep_scenario(con, scenario)
+                    else:
+                        incremental.carry_scenario(con, scenario)
                 else:
                     plan = LedgerPlan(incremental.horizon(now), incremental.resume_of(con, scenario)
                                       if decision.mode == "appended" else None,
                                       partitions=_shown(partitions, each, scenario))
-                    yield from analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
-                                                metrics_from=metrics_from, model_source=source, ledger=plan)
+                    pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
+                                             metrics_from=metrics_from, model_source=source, ledger=plan)
+                    if base is not None:
+                        incremental.clear_scenario(con, scenario, keep=("block_outcomes",))
+                        pairs = _replacing(con, scenario, pairs, plan)
+                    yield from pairs
                     decision = _ledger_said(scenario, decision, plan)
                     incremental.write_ledger(con, scenario, plan.result.state if plan.result else None)
                 incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
                 modes.append((scenario, decision.mode, decision.reason))
+        if base is not None:
+            incremental.drop_others(con, done)
         if no_state is None:
             incremental.detach_previous(con)
 
-    path = build_analysis_db(db, lake, compute)
+    path = build_analysis_db(db, lake, compute, base=base)
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
+
+
+def _replacing(con: duckdb.DuckDBPyConnection, scenario: str, pairs: Iterable[tuple[str, pl.DataFrame]],
+               plan: LedgerPlan) -> Iterator[tuple[str, pl.DataFrame]]:
+    """``pairs`` for a copy of the previous DB whose other rows of ``scenario`` are gone: its
+    ``block_outcomes`` rows go too, unless the ledger continued: then only the rows of the
+    requests it replayed, and only its new rows are written."""
+    for name, frame in pairs:
+        if name == "block_outcomes":
+            result = plan.result
+            if result is not None and result.appended is not None and result.replaced is not None:
+                incremental.delete_requests(con, name, scenario, result.replaced)
+                frame = result.appended
+            else:
+                incremental.clear_scenario(con, scenario, tables=[name])
+        yield name, frame
 
 
 def _shown(partitions: Partitions | None, bar: Any, scenario: str) -> Partitions | None:

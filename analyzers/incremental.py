@@ -75,16 +75,19 @@ from pathlib import Path
 import duckdb
 import pyarrow.parquet as pq
 
-from kvlens.analysis_db import attach_analysis_db
+import polars as pl
+
+from kvlens.analysis_db import attach_analysis_db, check_duckdb_file
 from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
 from kvlens.analyzers.outcomes import Resume
 from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
-from kvlens.schema import LAKE_TABLES, SCHEMA_VERSION, TABLES
+from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "carry_scenario", "code_digest",
-           "decide", "detach_previous", "horizon", "previous_state", "resume_of", "scenario_inputs",
-           "snapshot", "write_ledger", "write_state"]
+__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_of", "carry_scenario",
+           "clear_scenario", "code_digest", "decide", "delete_requests", "detach_previous", "drop_others",
+           "horizon", "keep_scenario", "previous_state", "resume_of", "scenario_inputs", "snapshot",
+           "write_ledger", "write_state"]
 
 log = logging.getLogger(__name__)
 
@@ -333,3 +336,77 @@ def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, d
     con.execute(CREATE_STATE_SQL)
     segments = json.dumps([dataclasses.asdict(s) for s in inputs.segments])
     con.execute(INSERT_STATE_SQL, [scenario, inputs.config, segments, inputs.watermark_ns, decision.mode])
+
+
+# -- appending to a copy of the previous DB --------------------------------------------------------
+#
+# An incremental analysis starts from a copy of the previous analysis DB (``base_of``) rather than
+# an empty file: a carried scenario's rows are already there, an analyzed scenario's are deleted
+# first (``clear_scenario``), and a continued ledger deletes only the replayed requests' rows and
+# inserts its new ones (``delete_requests``). What the DB holds is what a fresh build writes.
+
+
+def _scoped_tables() -> list[str]:
+    """Every table of the analysis DB that holds rows per scenario."""
+    return [t.name for t in ANALYSIS_TABLES] + [STATE_TABLE, LEDGER_TABLE]
+
+
+def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
+    """``db`` when it can be the copy an incremental analysis starts from: an analysis DB of this
+    schema version with every table and the incremental state of a scenario analyzed by this code
+    (``code_digest``), no write-ahead log beside it, and no more free blocks than used ones; else
+    None: the analysis then builds a new file (after a code change every scenario is rebuilt; a
+    new file holds no deleted rows, so the DB stays within about twice what it holds)."""
+    path = Path(db).resolve()
+    if not path.is_file() or path.with_name(path.name + ".wal").exists():
+        return None
+    try:
+        check_duckdb_file(path)
+        con = duckdb.connect(str(path), read_only=True)
+    except (ConfigError, duckdb.Error):
+        return None
+    try:
+        version = con.execute("SELECT value FROM kvlens_meta WHERE key = 'schema_version'").fetchall()
+        names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        configs = [r[0] for r in con.execute(f"SELECT config FROM {STATE_TABLE}").fetchall()]
+        ((used, free),) = con.execute("SELECT used_blocks, free_blocks FROM pragma_database_size()").fetchall()
+    except duckdb.Error:
+        return None
+    finally:
+        con.close()
+    if version != [(str(SCHEMA_VERSION),)] or not set(_scoped_tables()) <= names:
+        return None
+    if free > used:  # deleted rows' blocks are reused, never returned: a new file compacts it
+        log.info("analysis DB %s: %d of its %d blocks are free; writing a new file", path, free, used + free)
+        return None
+    return path if any(json.loads(c).get("code") == code for c in configs) else None
+
+
+def clear_scenario(con: duckdb.DuckDBPyConnection, scenario: str, *, tables: Sequence[str] | None = None,
+                   keep: Sequence[str] = ()) -> None:
+    """Delete ``scenario``'s rows from ``tables`` (default: every table of the DB being built) but ``keep``."""
+    for name in tables if tables is not None else _scoped_tables():
+        if name not in keep:
+            con.execute(f"DELETE FROM {name} WHERE scenario = ?", [scenario])
+
+
+def keep_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> None:
+    """A carried scenario in a copy of the previous DB: its rows stay; only its state row is
+    written again (``write_state``)."""
+    con.execute(f"DELETE FROM {STATE_TABLE} WHERE scenario = ?", [scenario])
+
+
+def delete_requests(con: duckdb.DuckDBPyConnection, table: str, scenario: str, request_ids: pl.Series) -> None:
+    """Delete the rows of ``request_ids`` of ``scenario`` from ``table``."""
+    con.register("_replaced", pl.DataFrame({"request_id": request_ids}).unique())
+    try:
+        con.execute(f"DELETE FROM {table} WHERE scenario = ? AND request_id IN (SELECT request_id FROM _replaced)",
+                    [scenario])
+    finally:
+        con.unregister("_replaced")
+
+
+def drop_others(con: duckdb.DuckDBPyConnection, scenarios: Sequence[str]) -> None:
+    """Delete every scenario's rows but those of ``scenarios`` (the ones analyzed or carried now)."""
+    for name in _scoped_tables():
+        con.execute(f"DELETE FROM {name} WHERE NOT list_contains(?::VARCHAR[], scenario)", [list(scenarios)])

@@ -218,6 +218,10 @@ class Ledger:
     refused: str | None = None
     replayed: int = 0  # requests replayed (the rest carried from the previous rows)
     partitions: int = 0  # block-hash partitions the replay ran in (0: one process, one pass)
+    # A continuation's rows that are not the previous rows: ``frame`` is the previous rows less
+    # those of ``replaced`` (request ids), in their order, then these (an appending writer's delta).
+    appended: pl.DataFrame | None = None
+    replaced: pl.Series | None = None
 
 
 def block_outcomes(
@@ -386,11 +390,12 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     outputs, saved = _replay(ev, places, req, full, req_loc, spaces.encode(full["namespace"], null=-1), locs,
                              st.loc_grp, st.windows, st.arrays, mark[1] if mark else -1)
     new = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
+    replaced = req["request_id"]
     kept = (resume.previous.order("rowid").select(*new.columns).pl()
-            .filter(~pl.col("request_id").is_in(req["request_id"].implode())))
+            .filter(~pl.col("request_id").is_in(replaced.implode())))
     frame = pl.concat([kept.cast(dict(new.schema)), new])
     state = _next_state(st, mark, ev, specs, req, full, spaces, saved, requests, transfers) if mark else None
-    return Ledger(frame, state, None, req.height)
+    return Ledger(frame, state, None, req.height, appended=new, replaced=replaced)
 
 
 def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, locs: _Codes,

@@ -115,21 +115,27 @@ def remove_dead_leftovers(db: str | os.PathLike[str]) -> int:
     return remove_dead_tmp(final.parent.glob(f".{glob.escape(final.name)}.*.tmp*"))
 
 
-def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute) -> Path:
+def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute, *,
+                      base: str | os.PathLike[str] | None = None) -> Path:
     """Build the analysis DB at ``db`` from ``lake``; ``compute`` yields (table, frame) pairs.
 
     It is written under a hidden name that carries this process's id, beside the target, and
     renamed over it; leftovers of killed builds are removed first (``remove_dead_leftovers``).
+    ``base``: an analysis DB of this schema version to start from, copied (``compute`` then
+    deletes what it replaces): unchanged rows are not written again.
     """
     final = _target(db)
     remove_dead_leftovers(final)
     tmp = final.with_name(tmp_name(final.name))
     try:
+        if base is not None:
+            shutil.copyfile(base, tmp)
         con = duckdb.connect(str(tmp))
         try:
             create_enum_types(con)
             open_lake(con, lake)
-            _create_tables(con)
+            if base is None:
+                _create_tables(con)
             try:
                 for name, frame in compute(con):
                     _insert(con, name, frame)

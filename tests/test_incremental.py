@@ -241,3 +241,94 @@ def test_a_killed_analysis_leaves_the_previous_db_and_the_next_completes(tiny: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["incr.duckdb", "lake"]  # leftovers removed
     analyze_lake(lake, full, full=True)
     assert_same_db(db, full)
+
+
+def test_an_incremental_analysis_writes_into_a_copy_of_the_previous_db(
+        source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An appended analysis starts from a copy of the previous DB: the carried scenario's rows are
+    the previous file's, the continued ledger writes only its new rows; a scenario not chosen any
+    more is gone, as from a new build. Each DB equals a new full build of the same choice. (The
+    lateness accepted is cut to 1 s so that the checkpoint settles most of this short slice.)"""
+    import kvlens.analysis_db as analysis_db
+    from kvlens.analyzers import analyze, incremental
+
+    monkeypatch.setattr(incremental, "LATE_LAG_NS", 1_000_000_000)
+    lake, db, full, _ = _analyzed_then_grown(source, tmp_path)
+    bases: list[object] = []
+    written: dict[str, int] = {}
+    real_build, real_insert = analysis_db.build_analysis_db, analysis_db._insert
+
+    def build(*a: object, base: object = None, **kw: object) -> Path:
+        bases.append(base)
+        return real_build(*a, base=base, **kw)  # type: ignore[arg-type]
+
+    def insert(con: duckdb.DuckDBPyConnection, name: str, frame: object) -> None:
+        written[name] = written.get(name, 0) + frame.height  # type: ignore[attr-defined]
+        real_insert(con, name, frame)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(analyze, "build_analysis_db", build)
+    monkeypatch.setattr(analysis_db, "_insert", insert)
+    result = analyze_lake(lake, db)
+    assert _modes(result) == {"conv": "appended", "rr2": "appended"}
+    assert bases == [db.resolve()]
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        ((rows,),) = con.execute("SELECT count(*) FROM block_outcomes").fetchall()
+    finally:
+        con.close()
+    assert 0 < written["block_outcomes"] < rows  # the continued ledgers wrote their new rows only
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
+
+    written.clear()
+    assert _modes(analyze_lake(lake, db)) == {"conv": "carried", "rr2": "carried"}
+    assert bases[-1] == db.resolve() and written == {}  # carried rows stay where they are
+    assert_same_db(db, full)
+    assert _modes(analyze_lake(lake, db, scenarios=["rr2"])) == {"rr2": "carried"}
+    assert bases[-1] == db.resolve() and "block_outcomes" not in written
+    analyze_lake(lake, full, scenarios=["rr2"], full=True)
+    assert_same_db(db, full)  # conv is gone from every table, as from a new build
+    assert [row[0] for row in _state(db)] == ["rr2"]
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        assert con.execute("SELECT DISTINCT scenario FROM kvlens_ledger").fetchall() == [("rr2",)]
+    finally:
+        con.close()
+
+
+def test_a_new_file_when_the_previous_cannot_be_the_base(tiny: Path, tmp_path: Path) -> None:
+    """The previous DB is not copied when it has a write-ahead log beside it, was written by other
+    code, or has more free blocks than used ones (deleted rows' space is never returned)."""
+    from kvlens.analyzers.incremental import base_of, code_digest
+
+    lake, db = tmp_path / "lake", tmp_path / "incr.duckdb"
+    shutil.copytree(tiny, lake)
+    analyze_lake(lake, db)
+    code = code_digest()
+    assert base_of(db, code) == db.resolve()
+    assert base_of(db, "another-code") is None
+    assert base_of(tmp_path / "absent.duckdb", code) is None
+    wal = db.with_name(db.name + ".wal")
+    wal.write_bytes(b"")
+    assert base_of(db, code) is None
+    wal.unlink()
+    con = duckdb.connect(str(db))
+    try:  # fill the file, then delete: the blocks stay, free
+        con.execute("CREATE TABLE filler AS SELECT range AS x, md5(range::VARCHAR) AS y FROM range(3000000)")
+        con.execute("CHECKPOINT")
+        con.execute("CREATE TABLE after_it AS SELECT range AS x FROM range(1000)")  # the blocks at the end
+        con.execute("CHECKPOINT")
+        con.execute("DROP TABLE filler")
+        con.execute("CHECKPOINT")
+        ((used, free),) = con.execute("SELECT used_blocks, free_blocks FROM pragma_database_size()").fetchall()
+    finally:
+        con.close()
+    assert free > used
+    assert base_of(db, code) is None
+    analyze_lake(lake, db)  # a new file: compact again
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        ((free_after,),) = con.execute("SELECT free_blocks FROM pragma_database_size()").fetchall()
+    finally:
+        con.close()
+    assert free_after < free
