@@ -73,9 +73,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
-import pyarrow.parquet as pq
-
 import polars as pl
+import pyarrow.parquet as pq
 
 from kvlens.analysis_db import attach_analysis_db, check_duckdb_file
 from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
@@ -346,6 +345,9 @@ def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, d
 # inserts its new ones (``delete_requests``). What the DB holds is what a fresh build writes.
 
 
+_BLOCKS_SQL = "SELECT used_blocks, free_blocks FROM pragma_database_size()"
+
+
 def _scoped_tables() -> list[str]:
     """Every table of the analysis DB that holds rows per scenario."""
     return [t.name for t in ANALYSIS_TABLES] + [STATE_TABLE, LEDGER_TABLE]
@@ -369,7 +371,7 @@ def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
         version = con.execute("SELECT value FROM kvlens_meta WHERE key = 'schema_version'").fetchall()
         names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
         configs = [r[0] for r in con.execute(f"SELECT config FROM {STATE_TABLE}").fetchall()]
-        ((used, free),) = con.execute("SELECT used_blocks, free_blocks FROM pragma_database_size()").fetchall()
+        ((used, free),) = con.execute(_BLOCKS_SQL).fetchall()
     except duckdb.Error:
         return None
     finally:
@@ -384,7 +386,8 @@ def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
 
 def clear_scenario(con: duckdb.DuckDBPyConnection, scenario: str, *, tables: Sequence[str] | None = None,
                    keep: Sequence[str] = ()) -> None:
-    """Delete ``scenario``'s rows from ``tables`` (default: every table of the DB being built) but ``keep``."""
+    """Delete ``scenario``'s rows from ``tables`` (default: every table of the DB being built)
+    but ``keep``."""
     for name in tables if tables is not None else _scoped_tables():
         if name not in keep:
             con.execute(f"DELETE FROM {name} WHERE scenario = ?", [scenario])
@@ -396,12 +399,13 @@ def keep_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> None:
     con.execute(f"DELETE FROM {STATE_TABLE} WHERE scenario = ?", [scenario])
 
 
-def delete_requests(con: duckdb.DuckDBPyConnection, table: str, scenario: str, request_ids: pl.Series) -> None:
+def delete_requests(con: duckdb.DuckDBPyConnection, table: str, scenario: str,
+                    request_ids: pl.Series) -> None:
     """Delete the rows of ``request_ids`` of ``scenario`` from ``table``."""
     con.register("_replaced", pl.DataFrame({"request_id": request_ids}).unique())
     try:
-        con.execute(f"DELETE FROM {table} WHERE scenario = ? AND request_id IN (SELECT request_id FROM _replaced)",
-                    [scenario])
+        con.execute(f"DELETE FROM {table} WHERE scenario = ? "
+                    "AND request_id IN (SELECT request_id FROM _replaced)", [scenario])
     finally:
         con.unregister("_replaced")
 

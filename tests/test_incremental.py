@@ -320,7 +320,8 @@ def test_a_new_file_when_the_previous_cannot_be_the_base(tiny: Path, tmp_path: P
         con.execute("CHECKPOINT")
         con.execute("DROP TABLE filler")
         con.execute("CHECKPOINT")
-        ((used, free),) = con.execute("SELECT used_blocks, free_blocks FROM pragma_database_size()").fetchall()
+        ((used, free),) = con.execute("SELECT used_blocks, free_blocks "
+                                      "FROM pragma_database_size()").fetchall()
     finally:
         con.close()
     assert free > used
