@@ -17,7 +17,7 @@ from kvlens.analyzers.capacity import effective_capacity, ttl_coverage
 from kvlens.analyzers.costs import cost_model
 from kvlens.analyzers.crossover import crossover
 from kvlens.analyzers.fanout import fanout
-from kvlens.analyzers.flows import flows
+from kvlens.analyzers.flows import FlowsState, flows, flows_continued
 from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.hygiene import hygiene
 from kvlens.analyzers.isolation import isolation_findings
@@ -57,6 +57,8 @@ class LedgerPlan:
     resume: Resume | None = None
     result: Ledger | None = None
     partitions: Partitions | None = None  # replay in block-hash partitions (analyzers/partitions.py)
+    flows_resume: FlowsState | None = None  # flows' state at the checkpoint ``resume`` is at
+    flows_state: FlowsState | None = None  # set: flows' state at the ledger's new checkpoint
 
 
 def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
@@ -114,8 +116,15 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "isolation_findings", isolation_findings(
         requests=requests, request_blocks=blocks, kv_events=events, block_outcomes=outcomes,
         scenario=scenario, bytes_per_token=per_token)
-    yield "flows", flows(block_outcomes=outcomes, request_ledger=per_request, kv_events=events,
-                         transfers=transfers, scenario=scenario, bytes_per_token=per_token)
+    result = plan.result
+    continued = (plan.flows_resume if result.appended is not None and plan.resume is not None
+                 and plan.flows_resume is not None
+                 and plan.flows_resume.checkpoint_ns == plan.resume.state.checkpoint_ns else None)
+    byte_flows, plan.flows_state = flows_continued(
+        block_outcomes=outcomes, request_ledger=per_request, kv_events=events, transfers=transfers,
+        scenario=scenario, bytes_per_token=per_token, resume=continued,
+        checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None)
+    yield "flows", byte_flows
     yield "fanout", fanout(block_outcomes=outcomes)
     yield "latency_tails", latency_tails(request_ledger=per_request)
     yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes, kv_events=events,

@@ -114,9 +114,12 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     else:
                         incremental.carry_scenario(con, scenario)
                 else:
-                    plan = LedgerPlan(incremental.horizon(now), incremental.resume_of(con, scenario)
-                                      if decision.mode == "appended" else None,
-                                      partitions=_shown(partitions, each, scenario))
+                    appended = decision.mode == "appended"
+                    plan = LedgerPlan(incremental.horizon(now),
+                                      incremental.resume_of(con, scenario) if appended else None,
+                                      partitions=_shown(partitions, each, scenario),
+                                      flows_resume=(incremental.flows_resume_of(con, scenario)
+                                                    if appended else None))
                     pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                              metrics_from=metrics_from, model_source=source, ledger=plan)
                     if base is not None:
@@ -124,7 +127,8 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                         pairs = _replacing(con, scenario, pairs, plan)
                     yield from pairs
                     decision = _ledger_said(scenario, decision, plan)
-                    incremental.write_ledger(con, scenario, plan.result.state if plan.result else None)
+                    incremental.write_ledger(con, scenario, plan.result.state if plan.result else None,
+                                             plan.flows_state)
                 incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))

@@ -24,10 +24,28 @@ Where each byte is counted (DESIGN.md section 1, question 3):
 
 Windows are aligned to multiples of ``window_ns`` since the epoch (default 15 minutes), so
 the worst 15-minute window is a ``GROUP BY window_start_ns`` away.
+
+**Continuing** (``kvlens analyze``'s incremental runs, ``flows_continued``). At the ledger's
+checkpoint ``S`` (analyzers/ledger_state.py: no row stamped before it can still arrive, and the
+requests that look up before it are settled) flows keep a ``FlowsState``: the sums of every
+contribution no later row can change, and what later rows still can change, which the next run
+recomputes with the rows from ``S`` on. Settled: a copy stamped before ``S``; a store's write
+before ``S``; a read that looked up before ``S`` matched to a store before ``S`` (a later store
+cannot be an earlier one's successor nor come before the read); a store before ``S`` whose
+residency ended before ``S`` and that is not the latest store of its location, tier class and
+block before ``S`` (only that one can still be matched by a later read). Kept open: the other
+stores before ``S`` (with whether they were read, and how their residency ended when that is
+known) and the other reads before ``S`` (with no store matched yet, or one from ``S`` on). The
+reads of the requests that look up from ``S`` on come from the ledger again. The sizes of events
+without ``block_tokens`` follow the ledger's median block: a state that used it is refused when it
+moved, as are one of another window or model (the run is then a full one).
 """
 
 from __future__ import annotations
 
+import io
+import json
+from dataclasses import dataclass
 from typing import Literal
 
 import duckdb
@@ -35,7 +53,7 @@ import polars as pl
 
 from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
 
-__all__ = ["flows"]
+__all__ = ["FLOWS_TABLE", "FlowsState", "flows", "flows_continued"]
 
 DEFAULT_WINDOW_NS = 15 * 60 * 1_000_000_000
 _LOWER = [Medium.CPU.value, Medium.DISK.value]
@@ -44,6 +62,52 @@ _LOCAL_TIERS = [m.value for m in Medium if m != Medium.POOL]
 _SUMS = ["read_bytes", "write_bytes", "replica_bytes", "never_read_bytes", "read_unwritten_bytes",
          "unread_resident_bytes"]
 _KEY = ["loc", "cls", "block_hash"]
+FLOWS_TABLE = "kvlens_flows"  # a scenario's FlowsState, in the analysis DB beside its rows
+_READ_COLS = ["lookup_ns", "loc", "cls", "block_hash", "bytes", "default_tier"]
+_STORE_COLS = ["n", "ts_ns", "loc", "tier", "cls", "block_hash", "bytes", "filled"]
+_OPEN_COLS = [*_STORE_COLS, "read", "ended", "end_ts"]
+_GROUP = ["loc", "window_start_ns", "tier"]
+
+
+@dataclass(frozen=True)
+class FlowsState:
+    """flows at checkpoint ``checkpoint_ns``: the settled sums and the open stores and reads (see
+    the module docstring), with what continuing from it must agree with."""
+
+    checkpoint_ns: int
+    events: int  # events stamped before the checkpoint: the next run numbers its events from here
+    window_ns: int
+    bytes_per_token: int
+    fill_tokens: int  # the tokens an event without block_tokens was given
+    filled: bool  # a store before the checkpoint had no block_tokens (its bytes used fill_tokens)
+    sums: pl.DataFrame  # loc, window_start_ns, tier, and the byte columns: the settled contributions
+    stores: pl.DataFrame  # _OPEN_COLS: the open stores
+    reads: pl.DataFrame  # _READ_COLS: the open reads
+
+    def to_bytes(self) -> bytes:
+        frames = {"sums": self.sums, "stores": self.stores, "reads": self.reads}
+        blobs = {}
+        for name, frame in frames.items():
+            buf = io.BytesIO()
+            frame.write_ipc(buf, compression="zstd")
+            blobs[name] = buf.getvalue()
+        head = json.dumps({"checkpoint_ns": self.checkpoint_ns, "events": self.events,
+                           "window_ns": self.window_ns, "bytes_per_token": self.bytes_per_token,
+                           "fill_tokens": self.fill_tokens, "filled": self.filled,
+                           "sizes": {k: len(v) for k, v in blobs.items()}}).encode()
+        return len(head).to_bytes(4, "little") + head + b"".join(blobs.values())
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> FlowsState:
+        size = int.from_bytes(data[:4], "little")
+        head = json.loads(data[4:4 + size])
+        at, frames = 4 + size, {}
+        for name, length in head.pop("sizes").items():
+            frames[name] = pl.read_ipc(io.BytesIO(data[at:at + length]))
+            at += length
+        return cls(int(head["checkpoint_ns"]), int(head["events"]), int(head["window_ns"]),
+                   int(head["bytes_per_token"]), int(head["fill_tokens"]), bool(head["filled"]),
+                   frames["sums"], frames["stores"], frames["reads"])
 
 
 def _asof(left: pl.DataFrame, right: pl.DataFrame, on: tuple[str, str], by: str | list[str],
@@ -58,37 +122,55 @@ def _cls(medium: pl.Expr) -> pl.Expr:
     return pl.when(medium.is_in(_LOWER)).then(1).otherwise(0).cast(pl.Int8)
 
 
-def _events(kv_events: duckdb.DuckDBPyRelation, bytes_per_token: int, block_tokens: int) -> pl.DataFrame:
+def _events(kv_events: duckdb.DuckDBPyRelation, bytes_per_token: int, block_tokens: int,
+            first: int = 0) -> pl.DataFrame:
+    """The events in stream order, numbered from ``first`` (``n``)."""
     ev = kv_events.select("ts_ns", "seq", "replica", "kind", "block_hash", "medium", "block_tokens").pl()
-    ev = ev.with_row_index("ord").sort("ts_ns", "seq", "ord").with_row_index("n")
+    ev = ev.with_row_index("ord").sort("ts_ns", "seq", "ord").with_row_index("n", offset=first)
     medium = pl.col("medium").cast(pl.Utf8)
     nbytes = pl.col("block_tokens").fill_null(block_tokens).cast(pl.Int64) * bytes_per_token
     return ev.select(
-        "n", "ts_ns", loc=pl.col("replica").cast(pl.Utf8).fill_null(""), kind=pl.col("kind").cast(pl.Utf8),
-        block_hash=pl.col("block_hash").cast(pl.UInt64), medium=medium,
-        tier=medium.fill_null(Medium.UNKNOWN.value), cls=_cls(medium), bytes=nbytes)
+        pl.col("n").cast(pl.Int64), "ts_ns", loc=pl.col("replica").cast(pl.Utf8).fill_null(""),
+        kind=pl.col("kind").cast(pl.Utf8), block_hash=pl.col("block_hash").cast(pl.UInt64), medium=medium,
+        tier=medium.fill_null(Medium.UNKNOWN.value), cls=_cls(medium), bytes=nbytes,
+        filled=pl.col("block_tokens").is_null())
 
 
-def _residencies(ev: pl.DataFrame) -> pl.DataFrame:
-    """Every store with how its residency ended: 'removed', 'cleared', 'restored' or None."""
+def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Every store with how its residency ended ('removed', 'cleared', 'restored' or None), when
+    (``end_ts``), and whether it was read before (``read``: the carried stores' flag). ``carried``:
+    a state's open stores, before every event of ``ev``; one whose end was known keeps it."""
     key = ["loc", "tier", "block_hash"]
-    blocks = ev.filter(pl.col("kind").is_in(["stored", "removed"]) & pl.col("block_hash").is_not_null())
+    blocks = (ev.filter(pl.col("kind").is_in(["stored", "removed"]) & pl.col("block_hash").is_not_null())
+              .select(*_STORE_COLS, "kind", read=pl.lit(False), known=pl.lit(None, pl.Utf8),
+                      known_ts=pl.lit(None, pl.Int64)))
+    if carried is not None and carried.height:
+        blocks = pl.concat([carried.select(*_STORE_COLS, kind=pl.lit("stored"), read="read", known="ended",
+                                           known_ts="end_ts"), blocks], how="vertical_relaxed")
     same = pl.all_horizontal(pl.col(k) == pl.col(k).shift(-1) for k in key)
     blocks = blocks.sort(*key, "n").with_columns(next_n=pl.when(same).then(pl.col("n").shift(-1)),
-                                                 next_kind=pl.when(same).then(pl.col("kind").shift(-1)))
+                                                 next_kind=pl.when(same).then(pl.col("kind").shift(-1)),
+                                                 next_ts=pl.when(same).then(pl.col("ts_ns").shift(-1)))
     stores = blocks.filter(pl.col("kind") == "stored")
-    clears = ev.filter(pl.col("kind") == "cleared").select("loc", "medium", clear_n="n").sort("clear_n")
+    clears = ev.filter(pl.col("kind") == "cleared").select("loc", "medium", clear_n="n", clear_ts="ts_ns")
+    clears = clears.sort("clear_n")
     # A clear without a medium clears every tier of its location.
     every = clears.filter(pl.col("medium").is_null()).drop("medium")
-    one = clears.filter(pl.col("medium").is_not_null()).rename({"medium": "tier", "clear_n": "clear1_n"})
+    one = clears.filter(pl.col("medium").is_not_null()).rename(
+        {"medium": "tier", "clear_n": "clear1_n", "clear_ts": "clear1_ts"})
     stores = _asof(stores.sort("n"), every, ("n", "clear_n"), "loc", "forward")
     stores = _asof(stores, one, ("n", "clear1_n"), ["loc", "tier"], "forward")
     clear_n = pl.min_horizontal("clear_n", "clear1_n")
-    ended = (pl.when(clear_n.is_not_null() & (pl.col("next_n").is_null() | (clear_n < pl.col("next_n"))))
-             .then(pl.lit("cleared"))
+    clear_ts = pl.when(pl.col("clear1_n").is_null() | (pl.col("clear_n") < pl.col("clear1_n"))) \
+        .then(pl.col("clear_ts")).otherwise(pl.col("clear1_ts"))
+    by_clear = clear_n.is_not_null() & (pl.col("next_n").is_null() | (clear_n < pl.col("next_n")))
+    ended = (pl.when(by_clear).then(pl.lit("cleared"))
              .when(pl.col("next_kind") == "removed").then(pl.lit("removed"))
              .when(pl.col("next_kind") == "stored").then(pl.lit("restored")))
-    return stores.select("n", "ts_ns", "loc", "tier", "cls", "block_hash", "bytes", ended=ended)
+    end_ts = pl.when(by_clear).then(clear_ts).otherwise(pl.col("next_ts"))
+    known = pl.col("known").is_not_null()
+    return stores.select(*_STORE_COLS, "read", ended=pl.when(known).then(pl.col("known")).otherwise(ended),
+                         end_ts=pl.when(known).then(pl.col("known_ts")).otherwise(end_ts))
 
 
 def _loads(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
@@ -132,7 +214,8 @@ def _match(reads: pl.DataFrame, stores: pl.DataFrame) -> pl.DataFrame:
     back = _asof(reads, right, ("lookup_ns", "store_ts"), _KEY, "backward")
     fwd = _asof(reads, right, ("lookup_ns", "store_ts"), _KEY, "forward")
     tier = pl.col("store_tier").fill_null(fwd["store_tier"]).fill_null(pl.col("default_tier"))
-    return back.with_columns(store_n=pl.col("store_n").fill_null(fwd["store_n"]), tier=tier)
+    return back.with_columns(store_n=pl.col("store_n").fill_null(fwd["store_n"]), tier=tier,
+                             match_ts=pl.col("store_ts").fill_null(fwd["store_ts"]))
 
 
 def _copies(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
@@ -145,18 +228,64 @@ def _copies(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
     return x.select("ts_ns", loc=loc, tier=tier, replica_bytes=pl.col("bytes").fill_null(0).cast(pl.Int64))
 
 
-def _parts(reads: pl.DataFrame, stores: pl.DataFrame) -> list[pl.DataFrame]:
+def _parts(reads: pl.DataFrame, stores: pl.DataFrame, first: int = 0) -> list[pl.DataFrame]:
+    """Each read's and store's bytes (a store numbered before ``first``, carried open from a state,
+    has its write counted there already)."""
     unread = ~pl.col("read")
     evicted = unread & pl.col("ended").is_in(["removed", "cleared"])
     return [
         reads.select(ts_ns="lookup_ns", loc="loc", tier="tier", read_bytes="bytes",
                      read_unwritten_bytes=pl.when(pl.col("store_n").is_null())
                      .then(pl.col("bytes")).otherwise(0)),
-        stores.select("ts_ns", "loc", "tier", write_bytes="bytes",
+        stores.select("ts_ns", "loc", "tier",
+                      write_bytes=pl.when(pl.col("n") >= first).then(pl.col("bytes")).otherwise(0),
                       never_read_bytes=pl.when(evicted).then(pl.col("bytes")).otherwise(0),
                       unread_resident_bytes=pl.when(unread & pl.col("ended").is_null())
                       .then(pl.col("bytes")).otherwise(0)),
     ]
+
+
+def _summed(frames: list[pl.DataFrame], window_ns: int) -> pl.DataFrame:
+    """Contributions (ts_ns or window_start_ns, loc, tier, byte columns) summed per window."""
+    window = (pl.col("ts_ns") // window_ns) * window_ns
+    timed = [f.with_columns(window_start_ns=window).drop("ts_ns") if "ts_ns" in f.columns else f
+             for f in frames]
+    frame = pl.concat(timed, how="diagonal_relaxed")
+    frame = frame.with_columns([pl.col(c).fill_null(0).cast(pl.Int64) if c in frame.columns
+                                else pl.lit(0, pl.Int64).alias(c) for c in _SUMS])
+    return (frame.group_by(*_GROUP).agg([pl.col(c).sum() for c in _SUMS])
+            .select(pl.col("loc").cast(pl.Utf8), pl.col("window_start_ns").cast(pl.Int64),
+                    pl.col("tier").cast(pl.Utf8), *_SUMS))
+
+
+def _state_at(at: int, first: int, ev: pl.DataFrame, stores: pl.DataFrame, reads: pl.DataFrame,
+              copies: pl.DataFrame, before: FlowsState | None, window_ns: int, bytes_per_token: int,
+              fill_tokens: int) -> FlowsState:
+    """The state at ``at`` after a run that numbered its events from ``first`` (``before``: the
+    state it continued from)."""
+    final_read = (pl.col("lookup_ns") < at) & pl.col("match_ts").is_not_null() & (pl.col("match_ts") < at)
+    early = reads.filter(pl.col("lookup_ns") < at)
+    pre = stores.filter(pl.col("ts_ns") < at)
+    latest = pl.col("ts_ns") == pl.col("ts_ns").max().over(_KEY)
+    final_store = pl.col("end_ts").is_not_null() & (pl.col("end_ts") < at) & ~latest
+    pre = pre.with_columns(final=final_store)
+    settled_reads, settled_stores = early.filter(final_read), pre.filter(pl.col("final"))
+    parts = _parts(settled_reads, settled_stores, first)
+    # every store before ``at`` has its write counted here once (the open ones' too)
+    parts.append(pre.filter(~pl.col("final") & (pl.col("n") >= first)).select("ts_ns", "loc", "tier",
+                                                                              write_bytes="bytes"))
+    parts.append(copies.filter(pl.col("ts_ns") < at))
+    if before is not None:
+        parts.append(before.sums)
+    sums = _summed(parts, window_ns)
+    known = pl.col("end_ts").is_not_null() & (pl.col("end_ts") < at)
+    open_stores = pre.filter(~pl.col("final")).select(
+        *_STORE_COLS, "read", ended=pl.when(known).then(pl.col("ended")),
+        end_ts=pl.when(known).then(pl.col("end_ts")))
+    events = first + int(ev.filter(pl.col("ts_ns") < at).height)
+    filled = bool(pre["filled"].any()) or (before is not None and before.filled)
+    return FlowsState(at, events, window_ns, bytes_per_token, fill_tokens, filled, sums,
+                      open_stores, early.filter(~final_read).select(_READ_COLS))
 
 
 def flows(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame, kv_events: duckdb.DuckDBPyRelation,
@@ -172,18 +301,65 @@ def flows(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame, kv_even
     (reads of blocks with no store in the lake), unread_resident_bytes (written in the window,
     unread, still resident at the end). Sorted by replica, window, tier; only non-zero rows.
     """
+    return flows_continued(block_outcomes=block_outcomes, request_ledger=request_ledger, kv_events=kv_events,
+                           transfers=transfers, scenario=scenario, bytes_per_token=bytes_per_token,
+                           window_ns=window_ns)[0]
+
+
+def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
+                    kv_events: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, scenario: str,
+                    bytes_per_token: int, window_ns: int = DEFAULT_WINDOW_NS,
+                    resume: FlowsState | None = None,
+                    checkpoint_ns: int | None = None) -> tuple[pl.DataFrame, FlowsState | None]:
+    """``flows``, continued from ``resume`` (the state at the checkpoint the ledger continued from:
+    the outcomes of the requests that look up before it are those it was saved with) when it
+    agrees, and the state at ``checkpoint_ns`` (the ledger's new checkpoint) when given."""
     if window_ns <= 0:
         raise ValueError(f"window_ns must be positive, got {window_ns}")
     typical = block_outcomes["tokens"].median() if block_outcomes.height else None
     typical_tokens = int(typical) if isinstance(typical, int | float) else 16
-    stores = _residencies(_events(kv_events, bytes_per_token, typical_tokens))
-    reads = _match(_reads(block_outcomes, request_ledger, transfers), stores)
-    stores = stores.with_columns(read=pl.col("n").is_in(reads["store_n"].drop_nulls().unique().implode()))
-    frame = pl.concat([*_parts(reads, stores), _copies(transfers)], how="diagonal_relaxed")
-    frame = frame.with_columns([pl.col(c).fill_null(0).cast(pl.Int64) for c in _SUMS])
-    window = (pl.col("ts_ns") // window_ns) * window_ns
-    out = (frame.group_by(replica="loc", window_start_ns=window, tier="tier")
-           .agg([pl.col(c).sum() for c in _SUMS])
-           .filter(pl.sum_horizontal(_SUMS) > 0))
-    return (out.select(pl.lit(scenario).alias("scenario"), "replica", "window_start_ns", "tier", *_SUMS)
-            .sort("replica", "window_start_ns", "tier"))
+    if resume is not None and not _agrees(resume, kv_events, window_ns, bytes_per_token, typical_tokens):
+        resume = None
+    first, since = (resume.events, resume.checkpoint_ns) if resume is not None else (0, None)
+    if since is not None:
+        kv_events = kv_events.filter(duckdb.ColumnExpression("ts_ns") >= duckdb.ConstantExpression(since))
+    ev = _events(kv_events, bytes_per_token, typical_tokens, first)
+    stores = _residencies(ev, resume.stores if resume is not None else None)
+    queue_ns = (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64)
+    outcomes = block_outcomes
+    if since is not None:  # the reads of the requests the ledger replayed, and the open ones
+        replayed = request_ledger.filter(pl.col("arrival_ns") + queue_ns >= since)["request_id"]
+        outcomes = block_outcomes.filter(pl.col("request_id").is_in(replayed.implode()))
+    new_reads = _reads(outcomes, request_ledger, transfers)
+    if since is not None:
+        new_reads = new_reads.filter(pl.col("lookup_ns") >= since)
+    reads = pl.concat([resume.reads, new_reads], how="vertical_relaxed") if resume is not None else new_reads
+    reads = _match(reads, stores)
+    stores = stores.with_columns(read=pl.col("read") | pl.col("n").is_in(reads["store_n"].drop_nulls()
+                                                                           .unique().implode()))
+    copies = _copies(transfers if since is None else transfers.filter(
+        duckdb.ColumnExpression("ts_ns") >= duckdb.ConstantExpression(since)))
+    parts = [*_parts(reads, stores, first), copies]
+    if resume is not None:
+        parts.append(resume.sums)
+    out = _summed(parts, window_ns).filter(pl.sum_horizontal(_SUMS) > 0)
+    out = (out.select(pl.lit(scenario).alias("scenario"), pl.col("loc").alias("replica"), "window_start_ns",
+                      "tier", *_SUMS).sort("replica", "window_start_ns", "tier"))
+    state = None
+    if checkpoint_ns is not None and (since is None or checkpoint_ns >= since):
+        state = _state_at(checkpoint_ns, first, ev, stores, reads, copies, resume, window_ns, bytes_per_token,
+                          typical_tokens)
+    return out, state
+
+
+def _agrees(st: FlowsState, kv_events: duckdb.DuckDBPyRelation, window_ns: int, bytes_per_token: int,
+            fill_tokens: int) -> bool:
+    """Whether a run can continue from ``st``: the same window and bytes per token, the same size
+    for events without block_tokens if the state used it, and as many events before its checkpoint."""
+    if (st.window_ns, st.bytes_per_token) != (window_ns, bytes_per_token):
+        return False
+    if st.filled and st.fill_tokens != fill_tokens:
+        return False
+    ((before,),) = kv_events.filter(duckdb.ColumnExpression("ts_ns") < duckdb.ConstantExpression(
+        st.checkpoint_ns)).aggregate("count(*)").fetchall()
+    return int(before) == st.events

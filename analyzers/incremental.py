@@ -23,8 +23,17 @@ On the next ``kvlens analyze`` each chosen scenario is, in this order:
   previous DB, unchanged (``analyzed_ns`` in ``scenarios`` keeps the time they were computed);
 - ``appended``: only new segments, none late: the ledger (``block_outcomes``) continues from the
   state the previous DB saved at its checkpoint (analyzers/ledger_state.py), unless that state
-  does not cover the new data (then it is replayed in full, and the reason is logged); every other
-  analysis is computed again over the whole scenario.
+  does not cover the new data (then it is replayed in full, and the reason is logged); ``flows``
+  continues from its own state at the same checkpoint when the ledger did (analyzers/flows.py,
+  ``FlowsState``); every other analysis is computed again over the whole scenario.
+
+Where it is written. An incremental analysis starts from a copy of the previous DB (``base_of``):
+a carried scenario's rows stay where they are, an analyzed one's are deleted first, a continued
+ledger deletes only its replayed requests' rows and writes its new ones, and a scenario no longer
+chosen is deleted. A new file is written instead after a code change (every scenario is rebuilt
+then) and when more than half the file's blocks are free (DuckDB reuses deleted rows' blocks but
+never returns them: this keeps the file within about twice what it holds; measured on a lake grown
+in 20 increments, 15.6 MB against 8.5 MB for a new build).
 
 Results are identical to a full analysis by construction (tests/test_incremental.py and
 tests/test_ledger_resume.py compare them).
@@ -42,17 +51,17 @@ analyzers/reuse.py's stack kernels, per stream).
 
 DESIGN.md section 7 computes the ledger past one machine the same way (per time window, the cache
 state carried across windows), so issue 17's ledger builds on this. Mergeable aggregates:
-``miss_ledger``, ``flows`` (per window; the open one recomputed), ``tier_payoff``,
+``miss_ledger``, ``tier_payoff``,
 ``tier_reconciliation``, ``fanout``, the exact ``mrc`` histogram (SHARDS keeps its sample heap).
 Global, recomputed from stored rows: ``scenarios``, ``latency_tails`` (quantiles), ``warmup``,
 ``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``, ``hygiene``,
 ``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured on the
 4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, the 6th of 6 increments (one
-in-process ``kvlens analyze`` of 1.94 s under cProfile, the ledger continued): the ledger 0.31 s
-(it replayed 1,113 of the 4,000 requests: a simulated fleet's queues put many look-ups after the
-checkpoint),
-flows 0.30 s, reuse 0.17 s, isolation_findings 0.14 s, tier_payoff 0.10 s, warmup 0.09 s,
-prefix_ranking 0.08 s, ttl_coverage 0.05 s, writing the DB 0.25 s.
+in-process ``kvlens analyze`` of 1.61 s, the ledger and flows continued): the ledger 0.33 s, flows
+0.20 s (its state keeps the latest store of every block and location: a later read may still be
+matched to it, so it is as large as the blocks ever stored, 111k rows here), reuse 0.18 s,
+isolation_findings 0.12 s, tier_payoff 0.08 s, warmup 0.06 s, ttl_coverage 0.06 s,
+prefix_ranking 0.06 s, writing the DB 0.17 s.
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``, the ledger's
 replay state), written in the same file as the results (kvlens/analysis_db.py builds it under a
@@ -77,6 +86,7 @@ import polars as pl
 import pyarrow.parquet as pq
 
 from kvlens.analysis_db import attach_analysis_db, check_duckdb_file
+from kvlens.analyzers.flows import FLOWS_TABLE, FlowsState
 from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
 from kvlens.analyzers.outcomes import Resume
 from kvlens.errors import ConfigError
@@ -85,6 +95,7 @@ from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
 __all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_of", "carry_scenario",
            "clear_scenario", "code_digest", "decide", "delete_requests", "detach_previous", "drop_others",
+           "flows_resume_of",
            "horizon", "keep_scenario", "previous_state", "resume_of", "scenario_inputs", "snapshot",
            "write_ledger", "write_state"]
 
@@ -284,9 +295,10 @@ def carry_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> int:
             copied += n
     write_ledger(con, scenario, None)
     # (a previous DB without ledger states: the next appended analysis replays the ledger in full)
-    with contextlib.suppress(duckdb.Error):
-        con.execute(f"INSERT INTO {LEDGER_TABLE} SELECT * FROM {PREVIOUS}.{LEDGER_TABLE} WHERE scenario = ?",
-                    [scenario])
+    for saved in (LEDGER_TABLE, FLOWS_TABLE):
+        with contextlib.suppress(duckdb.Error):
+            con.execute(f"INSERT INTO {saved} SELECT * FROM {PREVIOUS}.{saved} WHERE scenario = ?",
+                        [scenario])
     return copied
 
 
@@ -317,12 +329,35 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
     return Resume(state, previous)
 
 
-def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerState | None) -> None:
-    """Record the scenario's ledger state in the DB being built (``carry_scenario`` copies it)."""
+def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerState | None,
+                 flows: FlowsState | None = None) -> None:
+    """Record the scenario's ledger state, and flows' beside it, in the DB being built
+    (``carry_scenario`` copies them)."""
     con.execute(f"CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} ({_LEDGER_COLUMNS})")
+    con.execute(f"CREATE TABLE IF NOT EXISTS {FLOWS_TABLE} ({_LEDGER_COLUMNS})")
     if state is not None:
         con.execute(f"INSERT INTO {LEDGER_TABLE} VALUES (?, ?, ?)",
                     [scenario, state.checkpoint_ns, state.to_bytes()])
+    if flows is not None:
+        con.execute(f"INSERT INTO {FLOWS_TABLE} VALUES (?, ?, ?)",
+                    [scenario, flows.checkpoint_ns, flows.to_bytes()])
+
+
+def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> FlowsState | None:
+    """flows' state the previous analysis DB saved for ``scenario``, if any (and readable)."""
+    try:
+        rows = con.execute(f"SELECT state FROM {PREVIOUS}.{FLOWS_TABLE} WHERE scenario = ?",
+                           [scenario]).fetchall()
+    except duckdb.Error:
+        return None
+    if len(rows) != 1:
+        return None
+    try:
+        return FlowsState.from_bytes(rows[0][0])
+    except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
+        log.warning("scenario %s: the saved flows state is unreadable (%s); computing its flows in full",
+                    scenario, e)
+        return None
 
 
 def detach_previous(con: duckdb.DuckDBPyConnection) -> None:
@@ -350,7 +385,7 @@ _BLOCKS_SQL = "SELECT used_blocks, free_blocks FROM pragma_database_size()"
 
 def _scoped_tables() -> list[str]:
     """Every table of the analysis DB that holds rows per scenario."""
-    return [t.name for t in ANALYSIS_TABLES] + [STATE_TABLE, LEDGER_TABLE]
+    return [t.name for t in ANALYSIS_TABLES] + [STATE_TABLE, LEDGER_TABLE, FLOWS_TABLE]
 
 
 def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
