@@ -309,17 +309,22 @@ def horizon(inputs: Inputs) -> int | None:
     return None if mark is None else mark - LATE_LAG_NS
 
 
-def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
-    """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any."""
+def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> bytes | None:
+    """The one state blob the previous analysis DB saved for ``scenario`` in ``table``, if any."""
     try:
-        rows = con.execute(f"SELECT state FROM {PREVIOUS}.{LEDGER_TABLE} WHERE scenario = ?",
-                           [scenario]).fetchall()
+        rows = con.execute(f"SELECT state FROM {PREVIOUS}.{table} WHERE scenario = ?", [scenario]).fetchall()
     except duckdb.Error:
         return None
-    if len(rows) != 1:
+    return rows[0][0] if len(rows) == 1 else None
+
+
+def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
+    """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any."""
+    blob = _saved(con, LEDGER_TABLE, scenario)
+    if blob is None:
         return None
     try:
-        state = LedgerState.from_bytes(rows[0][0])
+        state = LedgerState.from_bytes(blob)
     except (ValueError, KeyError, OSError) as e:
         log.warning("scenario %s: the saved ledger state is unreadable (%s); replaying its ledger in full",
                     scenario, e)
@@ -345,15 +350,11 @@ def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerSta
 
 def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> FlowsState | None:
     """flows' state the previous analysis DB saved for ``scenario``, if any (and readable)."""
-    try:
-        rows = con.execute(f"SELECT state FROM {PREVIOUS}.{FLOWS_TABLE} WHERE scenario = ?",
-                           [scenario]).fetchall()
-    except duckdb.Error:
-        return None
-    if len(rows) != 1:
+    blob = _saved(con, FLOWS_TABLE, scenario)
+    if blob is None:
         return None
     try:
-        return FlowsState.from_bytes(rows[0][0])
+        return FlowsState.from_bytes(blob)
     except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
         log.warning("scenario %s: the saved flows state is unreadable (%s); computing its flows in full",
                     scenario, e)

@@ -333,3 +333,19 @@ def test_a_new_file_when_the_previous_cannot_be_the_base(tiny: Path, tmp_path: P
     finally:
         con.close()
     assert free_after < free
+
+
+def test_an_unreadable_flows_state_computes_flows_in_full(tiny: Path, tmp_path: Path,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    lake, db, full, _ = _analyzed_then_grown(tiny, tmp_path)
+    con = duckdb.connect(str(db))
+    try:
+        assert con.execute("SELECT count(*) FROM kvlens_flows").fetchall() == [(2,)]
+        con.execute("UPDATE kvlens_flows SET state = '\\x00\\x01'::BLOB")
+    finally:
+        con.close()
+    with caplog.at_level(logging.WARNING, logger="kvlens.analyzers.incremental"):
+        assert set(_modes(analyze_lake(lake, db)).values()) == {"appended"}
+    assert sum("saved flows state is unreadable" in r.getMessage() for r in caplog.records) == 2
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
