@@ -65,8 +65,9 @@ _KEY = ["loc", "cls", "block_hash"]
 FLOWS_TABLE = "kvlens_flows"  # a scenario's FlowsState, in the analysis DB beside its rows
 _READ_COLS = ["lookup_ns", "loc", "cls", "block_hash", "bytes", "default_tier"]
 _STORE_COLS = ["n", "ts_ns", "loc", "tier", "cls", "block_hash", "bytes", "filled"]
-_OPEN_COLS = [*_STORE_COLS, "read", "ended", "end_ts"]
 _GROUP = ["loc", "window_start_ns", "tier"]
+# A request's look-up: its arrival plus its queue time (the ledger's, analyzers/outcomes.py).
+_LOOKUP = pl.col("arrival_ns") + (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class FlowsState:
     fill_tokens: int  # the tokens an event without block_tokens was given
     filled: bool  # a store before the checkpoint had no block_tokens (its bytes used fill_tokens)
     sums: pl.DataFrame  # loc, window_start_ns, tier, and the byte columns: the settled contributions
-    stores: pl.DataFrame  # _OPEN_COLS: the open stores
+    stores: pl.DataFrame  # _STORE_COLS, read, ended, end_ts: the open stores
     reads: pl.DataFrame  # _READ_COLS: the open reads
 
     def to_bytes(self) -> bytes:
@@ -182,8 +183,7 @@ def _loads(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
 
 def _reads(block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
            transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
-    queue_ns = (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64)
-    lookup = request_ledger.select("request_id", lookup_ns=pl.col("arrival_ns") + queue_ns)
+    lookup = request_ledger.select("request_id", lookup_ns=_LOOKUP)
     hits = (block_outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(HIT_OUTCOMES))
             .with_columns(pl.col("block_hash").cast(pl.UInt64), outcome=pl.col("outcome").cast(pl.Utf8),
                           replica=pl.col("replica").cast(pl.Utf8).fill_null(""))
@@ -263,8 +263,8 @@ def _state_at(at: int, first: int, ev: pl.DataFrame, stores: pl.DataFrame, reads
               fill_tokens: int) -> FlowsState:
     """The state at ``at`` after a run that numbered its events from ``first`` (``before``: the
     state it continued from)."""
-    final_read = (pl.col("lookup_ns") < at) & pl.col("match_ts").is_not_null() & (pl.col("match_ts") < at)
     early = reads.filter(pl.col("lookup_ns") < at)
+    final_read = pl.col("match_ts").is_not_null() & (pl.col("match_ts") < at)
     pre = stores.filter(pl.col("ts_ns") < at)
     latest = pl.col("ts_ns") == pl.col("ts_ns").max().over(_KEY)
     final_store = pl.col("end_ts").is_not_null() & (pl.col("end_ts") < at) & ~latest
@@ -325,10 +325,9 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
         kv_events = kv_events.filter(duckdb.ColumnExpression("ts_ns") >= duckdb.ConstantExpression(since))
     ev = _events(kv_events, bytes_per_token, typical_tokens, first)
     stores = _residencies(ev, resume.stores if resume is not None else None)
-    queue_ns = (pl.col("queue_ms").fill_null(0) * 1e6).round().cast(pl.Int64)
     outcomes = block_outcomes
     if since is not None:  # the reads of the requests the ledger replayed, and the open ones
-        replayed = request_ledger.filter(pl.col("arrival_ns") + queue_ns >= since)["request_id"]
+        replayed = request_ledger.filter(since <= _LOOKUP)["request_id"]
         outcomes = block_outcomes.filter(pl.col("request_id").is_in(replayed.implode()))
     new_reads = _reads(outcomes, request_ledger, transfers)
     if since is not None:

@@ -95,9 +95,8 @@ from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
 __all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_of", "carry_scenario",
            "clear_scenario", "code_digest", "decide", "delete_requests", "detach_previous", "drop_others",
-           "flows_resume_of",
-           "horizon", "keep_scenario", "previous_state", "resume_of", "scenario_inputs", "snapshot",
-           "write_ledger", "write_state"]
+           "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of", "scenario_inputs",
+           "snapshot", "write_ledger", "write_state"]
 
 log = logging.getLogger(__name__)
 
