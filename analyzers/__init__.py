@@ -30,7 +30,7 @@ from kvlens.analyzers.provenance import scenario_provenance
 from kvlens.analyzers.ranking import prefix_ranking
 from kvlens.analyzers.reconcile import reconcile
 from kvlens.analyzers.request_ledger import request_ledger
-from kvlens.analyzers.reuse import access_stream, reuse
+from kvlens.analyzers.reuse import ReuseState, access_stream, reuse, reuse_continued
 from kvlens.analyzers.tails import latency_tails
 from kvlens.analyzers.tiers import tier_payoff, tier_reconciliation
 from kvlens.analyzers.warmup import warmup
@@ -59,6 +59,9 @@ class LedgerPlan:
     partitions: Partitions | None = None  # replay in block-hash partitions (analyzers/partitions.py)
     flows_resume: FlowsState | None = None  # flows' state at the checkpoint ``resume`` is at
     flows_state: FlowsState | None = None  # set: flows' state at the ledger's new checkpoint
+    reuse_resume: ReuseState | None = None  # reuse's state, when its rows before it are kept
+    reuse_state: ReuseState | None = None  # set: reuse's state at ``horizon_ns``
+    reuse_since: int | None = None  # set when reuse continued: its rows from this time on are new
 
 
 def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
@@ -142,8 +145,10 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
                                      bytes_per_token=per_token, group_bytes_per_token=group_rates)
     stream = access_stream(blocks, scenario, per_token, requests)
-    yield "reuse", reuse(request_blocks=blocks, kv_events=events, bytes_per_token=per_token,
-                         scenario=scenario, stream=stream)
+    reused = reuse_continued(kv_events=events, bytes_per_token=per_token, scenario=scenario, stream=stream,
+                             resume=plan.reuse_resume, checkpoint_ns=plan.horizon_ns)
+    plan.reuse_state, plan.reuse_since = reused.state, reused.since
+    yield "reuse", reused.frame
     curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
                 sample_rate=SHARDS_RATE, stream=stream, partitions=plan.partitions)
     yield "mrc", curve

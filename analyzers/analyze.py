@@ -119,16 +119,20 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                                       incremental.resume_of(con, scenario) if appended else None,
                                       partitions=_shown(partitions, each, scenario),
                                       flows_resume=(incremental.flows_resume_of(con, scenario)
-                                                    if appended else None))
+                                                    if appended else None),
+                                      # reuse keeps its rows before its checkpoint where they are: in a
+                                      # copy of the previous DB, and when no --join can change them
+                                      reuse_resume=(incremental.reuse_resume_of(con, scenario)
+                                                    if appended and base is not None and not join else None))
                     pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                              metrics_from=metrics_from, model_source=source, ledger=plan)
                     if base is not None:
-                        incremental.clear_scenario(con, scenario, keep=("block_outcomes",))
+                        incremental.clear_scenario(con, scenario, keep=("block_outcomes", "reuse"))
                         pairs = _replacing(con, scenario, pairs, plan)
                     yield from pairs
                     decision = _ledger_said(scenario, decision, plan)
                     incremental.write_ledger(con, scenario, plan.result.state if plan.result else None,
-                                             plan.flows_state)
+                                             plan.flows_state, plan.reuse_state)
                 incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
@@ -146,9 +150,15 @@ def _replacing(con: duckdb.DuckDBPyConnection, scenario: str, pairs: Iterable[tu
                plan: LedgerPlan) -> Iterator[tuple[str, pl.DataFrame]]:
     """``pairs`` for a copy of the previous DB whose other rows of ``scenario`` are gone: its
     ``block_outcomes`` rows go too, unless the ledger continued: then only the rows of the
-    requests it replayed, and only its new rows are written."""
+    requests it replayed, and only its new rows are written; so do its ``reuse`` rows, unless
+    reuse continued: then only those from its checkpoint on."""
     for name, frame in pairs:
-        if name == "block_outcomes":
+        if name == "reuse":
+            if plan.reuse_since is not None:
+                incremental.delete_since(con, name, scenario, plan.reuse_since)
+            else:
+                incremental.clear_scenario(con, scenario, tables=[name])
+        elif name == "block_outcomes":
             result = plan.result
             if result is not None and result.appended is not None and result.replaced is not None:
                 incremental.delete_requests(con, name, scenario, result.replaced)
@@ -192,5 +202,8 @@ def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan
     else:
         said = (f"ledger continued from its checkpoint at {plan.resume.state.checkpoint_ns} ns, "
                 f"{result.replayed:,} requests replayed in this process")
+    if decision.mode == "appended":
+        said += (f"; reuse continued from its checkpoint at {plan.reuse_since} ns" if plan.reuse_since is not None
+                 else "; reuse computed in full")
     log.info("scenario %s: %s", scenario, said)
     return incremental.Decision(decision.mode, f"{decision.reason}; {said}")

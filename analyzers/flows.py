@@ -43,14 +43,13 @@ moved, as are one of another window or model (the run is then a full one).
 
 from __future__ import annotations
 
-import io
-import json
 from dataclasses import dataclass
 from typing import Literal
 
 import duckdb
 import polars as pl
 
+from kvlens.analyzers.state_blob import pack, unpack
 from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
 
 __all__ = ["FLOWS_TABLE", "FlowsState", "flows", "flows_continued"]
@@ -86,26 +85,14 @@ class FlowsState:
     reads: pl.DataFrame  # _READ_COLS: the open reads
 
     def to_bytes(self) -> bytes:
-        frames = {"sums": self.sums, "stores": self.stores, "reads": self.reads}
-        blobs = {}
-        for name, frame in frames.items():
-            buf = io.BytesIO()
-            frame.write_ipc(buf, compression="zstd")
-            blobs[name] = buf.getvalue()
-        head = json.dumps({"checkpoint_ns": self.checkpoint_ns, "events": self.events,
-                           "window_ns": self.window_ns, "bytes_per_token": self.bytes_per_token,
-                           "fill_tokens": self.fill_tokens, "filled": self.filled,
-                           "sizes": {k: len(v) for k, v in blobs.items()}}).encode()
-        return len(head).to_bytes(4, "little") + head + b"".join(blobs.values())
+        return pack({"checkpoint_ns": self.checkpoint_ns, "events": self.events, "window_ns": self.window_ns,
+                     "bytes_per_token": self.bytes_per_token, "fill_tokens": self.fill_tokens,
+                     "filled": self.filled},
+                    {"sums": self.sums, "stores": self.stores, "reads": self.reads})
 
     @classmethod
     def from_bytes(cls, data: bytes) -> FlowsState:
-        size = int.from_bytes(data[:4], "little")
-        head = json.loads(data[4:4 + size])
-        at, frames = 4 + size, {}
-        for name, length in head.pop("sizes").items():
-            frames[name] = pl.read_ipc(io.BytesIO(data[at:at + length]))
-            at += length
+        head, frames = unpack(data)
         return cls(int(head["checkpoint_ns"]), int(head["events"]), int(head["window_ns"]),
                    int(head["bytes_per_token"]), int(head["fill_tokens"]), bool(head["filled"]),
                    frames["sums"], frames["stores"], frames["reads"])

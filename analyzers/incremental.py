@@ -25,7 +25,10 @@ On the next ``kvlens analyze`` each chosen scenario is, in this order:
   state the previous DB saved at its checkpoint (analyzers/ledger_state.py), unless that state
   does not cover the new data (then it is replayed in full, and the reason is logged); ``flows``
   continues from its own state at the same checkpoint when the ledger did (analyzers/flows.py,
-  ``FlowsState``); every other analysis is computed again over the whole scenario.
+  ``FlowsState``); ``reuse`` keeps its rows stamped before its checkpoint (the horizon) and
+  computes the rest from each stream's LRU stack there (analyzers/reuse.py, ``ReuseState``), in a
+  copy of the previous DB and without ``--join``; every other analysis is computed again over the
+  whole scenario.
 
 Where it is written. An incremental analysis starts from a copy of the previous DB (``base_of``):
 a carried scenario's rows stay where they are, an analyzed one's are deleted first, a continued
@@ -45,9 +48,11 @@ and last removals are saved as arrays at a checkpoint, with the groups each loca
 (``reusable``), and the runs settled requests were admitted at (analyzers/admission.py's claims):
 requests anchored at their own stores (a real vLLM's) are admitted over the whole stream with
 those runs taken; a request that found no run of its own settles once the checkpoint is
-``ADMISSION_WINDOW_NS`` (10 minutes) past its look-up. Append-only per request next:
-``request_ledger``, ``request_sources`` and ``reuse`` (the Fenwick tree and last slot per key of
-analyzers/reuse.py's stack kernels, per stream).
+``ADMISSION_WINDOW_NS`` (10 minutes) past its look-up. ``reuse`` continues (analyzers/reuse.py):
+an LRU stack is the order of its keys' last accesses and their sizes there, so each replica and
+event stream keeps those, the rows before the checkpoint stay, and a chain root that appears
+later adds the group rows of its earlier re-accesses. Append-only per request next:
+``request_ledger`` and ``request_sources``.
 
 DESIGN.md section 7 computes the ledger past one machine the same way (per time window, the cache
 state carried across windows), so issue 17's ledger builds on this. Mergeable aggregates:
@@ -89,14 +94,15 @@ from kvlens.analysis_db import attach_analysis_db, check_duckdb_file
 from kvlens.analyzers.flows import FLOWS_TABLE, FlowsState
 from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
 from kvlens.analyzers.outcomes import Resume
+from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
 from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
 __all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_of", "carry_scenario",
-           "clear_scenario", "code_digest", "decide", "delete_requests", "detach_previous", "drop_others",
-           "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of", "scenario_inputs",
-           "snapshot", "write_ledger", "write_state"]
+           "clear_scenario", "code_digest", "decide", "delete_requests", "delete_since", "detach_previous",
+           "drop_others", "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of",
+           "reuse_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +111,7 @@ log = logging.getLogger(__name__)
 LATE_LAG_NS = 60 * 1_000_000_000
 STATE_TABLE = "kvlens_state"
 PREVIOUS = "kvlens_prev"  # the alias the previous analysis DB is attached under
+_SAVED_STATES = (LEDGER_TABLE, FLOWS_TABLE, REUSE_STATE_TABLE)  # analyzers' states, one blob per scenario
 _STATE_COLUMNS = "scenario VARCHAR, config VARCHAR, segments VARCHAR, watermark_ns BIGINT, mode VARCHAR"
 _LEDGER_COLUMNS = "scenario VARCHAR, checkpoint_ns BIGINT, state BLOB"
 CREATE_STATE_SQL = f"CREATE TABLE IF NOT EXISTS {STATE_TABLE} ({_STATE_COLUMNS})"
@@ -294,7 +301,7 @@ def carry_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> int:
             copied += n
     write_ledger(con, scenario, None)
     # (a previous DB without ledger states: the next appended analysis replays the ledger in full)
-    for saved in (LEDGER_TABLE, FLOWS_TABLE):
+    for saved in _SAVED_STATES:
         with contextlib.suppress(duckdb.Error):
             con.execute(f"INSERT INTO {saved} SELECT * FROM {PREVIOUS}.{saved} WHERE scenario = ?",
                         [scenario])
@@ -334,17 +341,14 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
 
 
 def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerState | None,
-                 flows: FlowsState | None = None) -> None:
-    """Record the scenario's ledger state, and flows' beside it, in the DB being built
+                 flows: FlowsState | None = None, reuse: ReuseState | None = None) -> None:
+    """Record the scenario's ledger state, and flows' and reuse's beside it, in the DB being built
     (``carry_scenario`` copies them)."""
-    con.execute(f"CREATE TABLE IF NOT EXISTS {LEDGER_TABLE} ({_LEDGER_COLUMNS})")
-    con.execute(f"CREATE TABLE IF NOT EXISTS {FLOWS_TABLE} ({_LEDGER_COLUMNS})")
-    if state is not None:
-        con.execute(f"INSERT INTO {LEDGER_TABLE} VALUES (?, ?, ?)",
-                    [scenario, state.checkpoint_ns, state.to_bytes()])
-    if flows is not None:
-        con.execute(f"INSERT INTO {FLOWS_TABLE} VALUES (?, ?, ?)",
-                    [scenario, flows.checkpoint_ns, flows.to_bytes()])
+    for table, saved in ((LEDGER_TABLE, state), (FLOWS_TABLE, flows), (REUSE_STATE_TABLE, reuse)):
+        con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({_LEDGER_COLUMNS})")
+        if saved is not None:
+            con.execute(f"INSERT INTO {table} VALUES (?, ?, ?)",
+                        [scenario, saved.checkpoint_ns, saved.to_bytes()])
 
 
 def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> FlowsState | None:
@@ -358,6 +362,23 @@ def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> FlowsState
         log.warning("scenario %s: the saved flows state is unreadable (%s); computing its flows in full",
                     scenario, e)
         return None
+
+
+def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ReuseState | None:
+    """reuse's state the previous analysis DB saved for ``scenario``, if any (and readable), with
+    the count of its `reuse` rows before the state's checkpoint (they stay in the DB)."""
+    blob = _saved(con, REUSE_STATE_TABLE, scenario)
+    if blob is None:
+        return None
+    try:
+        state = ReuseState.from_bytes(blob)
+    except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
+        log.warning("scenario %s: the saved reuse state is unreadable (%s); computing reuse in full",
+                    scenario, e)
+        return None
+    ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ?",
+                             [scenario, state.checkpoint_ns]).fetchall()
+    return dataclasses.replace(state, kept_rows=int(kept))
 
 
 def detach_previous(con: duckdb.DuckDBPyConnection) -> None:
@@ -385,7 +406,7 @@ _BLOCKS_SQL = "SELECT used_blocks, free_blocks FROM pragma_database_size()"
 
 def _scoped_tables() -> list[str]:
     """Every table of the analysis DB that holds rows per scenario."""
-    return [t.name for t in ANALYSIS_TABLES] + [STATE_TABLE, LEDGER_TABLE, FLOWS_TABLE]
+    return [t.name for t in ANALYSIS_TABLES] + [STATE_TABLE, *_SAVED_STATES]
 
 
 def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
@@ -432,6 +453,12 @@ def keep_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> None:
     """A carried scenario in a copy of the previous DB: its rows stay; only its state row is
     written again (``write_state``)."""
     con.execute(f"DELETE FROM {STATE_TABLE} WHERE scenario = ?", [scenario])
+
+
+def delete_since(con: duckdb.DuckDBPyConnection, table: str, scenario: str, since_ns: int) -> None:
+    """Delete the rows of ``scenario`` from ``table`` stamped from ``since_ns`` on, and unstamped ones."""
+    con.execute(f"DELETE FROM {table} WHERE scenario = ? AND (ts_ns >= ? OR ts_ns IS NULL)",
+                [scenario, since_ns])
 
 
 def delete_requests(con: duckdb.DuckDBPyConnection, table: str, scenario: str,

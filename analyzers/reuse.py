@@ -36,10 +36,12 @@ import numba
 import numpy as np
 import polars as pl
 
+from kvlens.analyzers.state_blob import pack, unpack
 from kvlens.errors import NoDataError
 from kvlens.schema import REUSE
 
-__all__ = ["AccessStream", "Distances", "access_stream", "reuse", "reuse_distances"]
+__all__ = ["REUSE_STATE_TABLE", "AccessStream", "Distances", "ReuseState", "Reused", "access_stream", "reuse",
+           "reuse_continued", "reuse_distances"]
 
 log = logging.getLogger(__name__)
 
@@ -333,40 +335,84 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation,
     return frame.rename({"arrival_ns": "ts_ns"})
 
 
-def _rows(stream: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray,
-          d: Distances | None = None) -> pl.DataFrame:
-    d = reuse_distances(keys, sizes) if d is None else d
-    hit = d.reaccess
+def _rows_at(stream: str, keys: np.ndarray, ts: np.ndarray, d: Distances, at: np.ndarray) -> pl.DataFrame:
+    """Rows of table `reuse` for the re-accesses ``at`` (indices into the stream)."""
     return pl.DataFrame({
-        "stream": stream,
-        "block_hash": keys[hit],
-        "ts_ns": ts[hit],
-        "distance_blocks": d.blocks[hit],
-        "distance_bytes": d.bytes[hit],
-        "interval_ns": ts[hit] - ts[d.prev[hit]],
-    }, schema_overrides={"block_hash": pl.UInt64, "stream": pl.String})  # typed even with no re-access
+        "block_hash": pl.Series(keys[at], dtype=pl.UInt64),
+        "ts_ns": ts[at],
+        "distance_blocks": d.blocks[at],
+        "distance_bytes": d.bytes[at],
+        "interval_ns": ts[at] - ts[d.prev[at]],
+    }).select(pl.lit(stream, pl.String).alias("stream"), pl.all())  # typed even with no re-access
 
 
-def _frame_rows(stream: str, f: pl.DataFrame, bytes_per_token: int) -> pl.DataFrame:
-    return _rows(stream, f["block_hash"].to_numpy(),
-                 f["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token,
-                 f["ts_ns"].to_numpy())
+def _reaccesses(d: Distances, start: int = 0) -> np.ndarray:
+    return np.flatnonzero(d.prev[start:] >= 0) + start
 
 
 # One stored event carries a chain of blocks (one row each, the same ts_ns, replica and seq): they
 # are stored in chain order, so position breaks the tie, and the rest makes the order total (a
 # sort is not stable: without them two analyses of one lake could order a chain differently).
 _EVENT_ORDER = "ts_ns, replica, seq, position NULLS FIRST, block_hash, medium, block_tokens NULLS FIRST"
+_STORED = "kind = 'stored' AND block_hash IS NOT NULL"
 
 
-def _event_stream(kv_events: duckdb.DuckDBPyRelation) -> pl.DataFrame:
-    ev = kv_events.filter("kind = 'stored' AND block_hash IS NOT NULL").project(
+def _stored_events(kv_events: duckdb.DuckDBPyRelation, since_ns: int | None = None) -> pl.DataFrame:
+    """The stored events with a block hash (from ``since_ns`` on, and the unstamped ones, when given),
+    in stream order; block_tokens as the lake has it (NULL where unknown: ``_filled``)."""
+    where = _STORED if since_ns is None else f"{_STORED} AND (ts_ns >= {int(since_ns)} OR ts_ns IS NULL)"
+    ev = kv_events.filter(where).project(
         "ts_ns, seq, replica, CAST(medium AS VARCHAR) AS medium, block_hash, block_tokens, position"
     ).order(_EVENT_ORDER)
-    frame = ev.pl()  # typed and empty when the scenario has no events (a raw trace import)
-    known = frame["block_tokens"].drop_nulls()
-    fill = int(known.mode().sort()[0]) if len(known) else 0
-    return frame.with_columns(pl.col("block_tokens").fill_null(fill))
+    return ev.pl()  # typed and empty when the scenario has no events (a raw trace import)
+
+
+def _token_counts(ev: pl.DataFrame) -> pl.DataFrame:
+    """block_tokens, count: how many of ``ev`` have each known size."""
+    known = ev.select(pl.col("block_tokens").cast(pl.Int64)).drop_nulls()
+    return known.group_by("block_tokens").len("count").cast({"count": pl.Int64})
+
+
+def _fill_tokens(counts: pl.DataFrame) -> int:
+    """The size an event without block_tokens is given: the most frequent known one (the smallest
+    of equally frequent ones), 0 when none is known."""
+    if counts.height == 0:
+        return 0
+    top = counts.group_by("block_tokens").agg(pl.col("count").sum())
+    return int(top.filter(pl.col("count") == pl.col("count").max())["block_tokens"].min())
+
+
+def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray,
+             cut_ns: int | None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """One stream's rows for accesses (``keys``, ``sizes``, ``ts``, in stream order) that follow
+    ``prior`` (the stream's LRU stack before them: its keys in last-access order, with the size and
+    time of that access), and the stack before ``cut_ns`` (None without one).
+
+    An LRU stack is the order of its keys' last accesses and their sizes there, nothing more: the
+    prior replayed as one access per key, in that order, leaves the stack the whole history left,
+    so every later access gets the distance (blocks and bytes) and interval it gets in a replay of
+    the whole stream. The prior's own accesses are first accesses here and give no row."""
+    m = 0 if prior is None else prior.height
+    if m:
+        assert prior is not None
+        keys = np.concatenate([prior["block_hash"].to_numpy(), keys])
+        sizes = np.concatenate([prior["size"].to_numpy(), sizes])
+        ts = np.concatenate([prior["ts_ns"].to_numpy().astype(ts.dtype), ts])
+    d = reuse_distances(keys, sizes)
+    rows = _rows_at(name, keys, ts, d, _reaccesses(d, m))
+    if cut_ns is None:
+        return rows, None
+    settled = m + int(np.searchsorted(ts[m:], cut_ns, side="left"))
+    return rows, _last_accesses(name, keys[:settled], sizes[:settled], ts[:settled])
+
+
+def _last_accesses(name: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray) -> pl.DataFrame:
+    """stream, block_hash, size, ts_ns: each key once, at its last access, in the order of those."""
+    _, first_in_reverse = np.unique(keys[::-1], return_index=True)
+    last = np.sort(keys.shape[0] - 1 - first_in_reverse)
+    return pl.DataFrame({"stream": name, "block_hash": keys[last], "size": sizes[last].astype(np.int64),
+                         "ts_ns": ts[last].astype(np.int64)},
+                        schema_overrides={"block_hash": pl.UInt64, "stream": pl.String})
 
 
 @dataclass(frozen=True)
@@ -405,28 +451,200 @@ def reuse(*, request_blocks: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPy
       distance in the ``requests`` stream, i.e. the bytes an LRU would have to hold to keep it.
     - from ``kv_events`` (stored rows only): ``fleet`` (every replica's stores, what a pool fed by
       all publishes sees) and ``replica:<name>/<medium>`` (what each replica's tier stored again:
-      a re-store is a block recomputed after eviction, its distance what would have kept it).
+      a re-store is a block recomputed after eviction, its distance what would have kept it). An
+      event without block_tokens counts the most frequent size of the others.
 
     Past MAX_REUSE_ROWS rows only the ``requests`` stream is kept (logged). ``stream``: the
     scenario's access stream when the caller already built it (with ``requests`` for replicas).
     """
     acc = stream or access_stream(request_blocks, scenario, bytes_per_token, requests)
-    rs = acc.frame
-    base = _rows("requests", rs["block_hash"].to_numpy(), acc.sizes, rs["ts_ns"].to_numpy(), acc.distances)
-    parts = [base]
-    roots = base.join(rs.filter(pl.col("position") == 0).select("block_hash").unique(), on="block_hash")
-    parts.append(roots.with_columns(stream=pl.format("group:{}", pl.col("block_hash"))))
-    for (name,), f in rs.filter(pl.col("replica").is_not_null()).group_by("replica", maintain_order=True):
-        parts.append(_frame_rows(f"replica:{name}", f, bytes_per_token))
-    if kv_events is not None:
-        ev = _event_stream(kv_events)
-        if ev.height:
-            parts.append(_frame_rows("fleet", ev, bytes_per_token))
-            for (rep, med), f in ev.group_by("replica", "medium", maintain_order=True):
-                parts.append(_frame_rows(f"replica:{rep}/{med}", f, bytes_per_token))
-    if sum(p.height for p in parts) > MAX_REUSE_ROWS:
-        log.warning("reuse: %d rows over %d; keeping only the requests stream",
-                    sum(p.height for p in parts), MAX_REUSE_ROWS)
-        parts = [base]
+    return reuse_continued(kv_events=kv_events, bytes_per_token=bytes_per_token, scenario=scenario,
+                           stream=acc).frame
+
+
+REUSE_STATE_TABLE = "kvlens_reuse"  # a scenario's ReuseState, in the analysis DB beside its rows
+
+
+@dataclass(frozen=True)
+class ReuseState:
+    """reuse at checkpoint ``checkpoint_ns``: what the streams before it leave to the rows after it.
+
+    No access stamped before the checkpoint can still arrive (``kvlens analyze`` rebuilds on a late
+    segment), so every row before it is final and stays in the analysis DB; the next run replaces
+    the rows from the checkpoint on. The ``requests`` stream is replayed whole every run (mrc and
+    ttl_coverage read all its distances), so it keeps only its count; every replica and event
+    stream keeps its LRU stack (``_resumed``)."""
+
+    checkpoint_ns: int
+    bytes_per_token: int
+    accesses: int  # `requests`-stream accesses stamped before the checkpoint
+    events: int  # stored events with a block hash stamped before it
+    unfilled: int  # of those, the ones without block_tokens (their size is ``fill_tokens``)
+    fill_tokens: int
+    tokens: pl.DataFrame  # block_tokens, count: the known sizes of those events
+    stacks: pl.DataFrame  # stream, block_hash, size, ts_ns: each stream's stack, in last-access order
+    roots: pl.DataFrame  # block_hash: the chain roots (position 0) of the whole stream when saved
+    kept_rows: int = 0  # read back with the rows of table reuse before the checkpoint (not saved)
+
+    def to_bytes(self) -> bytes:
+        return pack({"checkpoint_ns": self.checkpoint_ns, "bytes_per_token": self.bytes_per_token,
+                     "accesses": self.accesses, "events": self.events, "unfilled": self.unfilled,
+                     "fill_tokens": self.fill_tokens},
+                    {"tokens": self.tokens, "stacks": self.stacks, "roots": self.roots})
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ReuseState:
+        head, frames = unpack(data)
+        return cls(int(head["checkpoint_ns"]), int(head["bytes_per_token"]), int(head["accesses"]),
+                   int(head["events"]), int(head["unfilled"]), int(head["fill_tokens"]), frames["tokens"],
+                   frames["stacks"], frames["roots"])
+
+
+@dataclass(frozen=True)
+class Reused:
+    """Table `reuse`'s rows for one scenario: all of them, or (``since`` set: continued) those
+    stamped from ``since`` on (and unstamped ones) with the group rows that new chain roots add
+    before it; ``state``: the state at the new checkpoint; ``refused``: why a given state was not
+    continued from."""
+
+    frame: pl.DataFrame
+    state: ReuseState | None = None
+    since: int | None = None
+    refused: str | None = None
+
+
+class _CannotContinue(Exception):
+    pass
+
+
+def reuse_continued(*, kv_events: duckdb.DuckDBPyRelation | None, bytes_per_token: int, scenario: str,
+                    stream: AccessStream, resume: ReuseState | None = None,
+                    checkpoint_ns: int | None = None) -> Reused:
+    """``reuse``'s rows, continued from ``resume`` when it can be (else all of them, with why not),
+    and with the state at ``checkpoint_ns`` when given. Continuing gives the rows a replay of the
+    whole lake gives (``_resumed``); the caller keeps the rows before ``resume``'s checkpoint."""
+    refused = None
+    if resume is not None:
+        try:
+            return _continue(resume, kv_events, bytes_per_token, scenario, stream, checkpoint_ns)
+        except _CannotContinue as e:
+            refused = str(e)
+            log.info("scenario %s: reuse computed in full: %s", scenario, refused)
+    ev = _stored_events(kv_events) if kv_events is not None else None
+    fill = _fill_tokens(_token_counts(ev)) if ev is not None else 0
+    parts, stacks, roots = _streams(stream, 0, ev, fill, None, bytes_per_token, checkpoint_ns)
+    rows = sum(p.height for p in parts)
+    if rows > MAX_REUSE_ROWS:
+        log.warning("reuse: %d rows over %d; keeping only the requests stream", rows, MAX_REUSE_ROWS)
+        return Reused(_sorted(parts[:1], scenario), None, None, refused)
+    state = _state(None, stream, ev, fill, stacks, roots, bytes_per_token, checkpoint_ns)
+    return Reused(_sorted(parts, scenario), state, None, refused)
+
+
+def _sorted(parts: list[pl.DataFrame], scenario: str) -> pl.DataFrame:
     out = pl.concat(parts).with_columns(scenario=pl.lit(scenario))
     return out.select(REUSE.names).sort("stream", "ts_ns", "block_hash")
+
+
+def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, prior: ReuseState | None,
+             bytes_per_token: int, cut_ns: int | None
+             ) -> tuple[list[pl.DataFrame], list[pl.DataFrame], np.ndarray]:
+    """Every stream's rows for the `requests` accesses from ``start`` on and the stored events
+    ``ev`` (those after ``prior``'s stacks; ``fill`` for their missing sizes); each replica and event
+    stream's stack before ``cut_ns``; and the chain roots the whole stream has (the `requests`
+    stream first in the rows, then its group rows: those before ``start`` are the ones whose root
+    is new since ``prior``)."""
+    rs = acc.frame
+    keys, ts, d = rs["block_hash"].to_numpy(), rs["ts_ns"].to_numpy(), acc.distances
+    base = _rows_at("requests", keys, ts, d, _reaccesses(d, start))
+    roots = np.unique(rs.filter(pl.col("position") == 0)["block_hash"].to_numpy())
+    group = [base.filter(pl.col("block_hash").is_in(pl.Series(roots).implode()))]
+    if prior is not None and start:  # a root new since the state makes groups of earlier re-accesses
+        new = np.setdiff1d(roots, prior.roots["block_hash"].to_numpy())
+        before = np.flatnonzero((d.prev[:start] >= 0) & np.isin(keys[:start], new))
+        group.insert(0, _rows_at("requests", keys, ts, d, before))
+    parts = [base, *(g.with_columns(stream=pl.format("group:{}", pl.col("block_hash"))) for g in group)]
+    stacks: list[pl.DataFrame] = []
+    saved = ({name: f for (name,), f in prior.stacks.group_by("stream", maintain_order=True)}
+             if prior is not None else {})
+    named = []
+    tail = rs.slice(start).filter(pl.col("replica").is_not_null())
+    for (name,), f in tail.group_by("replica", maintain_order=True):
+        named.append((f"replica:{name}", f))
+    if ev is not None and ev.height:
+        ev = ev.with_columns(pl.col("block_tokens").fill_null(fill))
+        named.append(("fleet", ev))
+        for (rep, med), f in ev.group_by("replica", "medium", maintain_order=True):
+            named.append((f"replica:{rep}/{med}", f))
+    for name, f in named:
+        sizes = f["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
+        rows, stack = _resumed(name, saved.pop(name, None), f["block_hash"].to_numpy(), sizes,
+                               f["ts_ns"].to_numpy(), cut_ns)
+        parts.append(rows)
+        if stack is not None:
+            stacks.append(stack)
+    stacks.extend(saved.values())  # streams with no access since the state: their stacks stand
+    return parts, stacks, roots
+
+
+def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None, fill: int,
+           stacks: list[pl.DataFrame], roots: np.ndarray, bytes_per_token: int,
+           cut_ns: int | None) -> ReuseState | None:
+    """The state at ``cut_ns`` after ``prior`` (None: from the start) and the stored events ``ev``
+    after it (``fill``: the size those without block_tokens were given); None when no checkpoint is
+    given or the stream has an access without a time (it sorts after every later one)."""
+    ts = acc.frame["ts_ns"]
+    if cut_ns is None or ts.null_count():
+        return None
+    settled_ev = (ev.filter(pl.col("ts_ns") < cut_ns) if ev is not None
+                  else pl.DataFrame(schema={"block_tokens": pl.Int64}))
+    tokens = _token_counts(settled_ev)
+    if prior is not None:
+        tokens = (pl.concat([prior.tokens, tokens]).group_by("block_tokens").agg(pl.col("count").sum())
+                  .sort("block_tokens"))
+    schema = {"stream": pl.String, "block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64}
+    return ReuseState(
+        checkpoint_ns=cut_ns, bytes_per_token=bytes_per_token,
+        accesses=int((ts < cut_ns).sum()),
+        events=(prior.events if prior else 0) + settled_ev.height,
+        unfilled=(prior.unfilled if prior else 0) + settled_ev["block_tokens"].null_count(),
+        fill_tokens=fill, tokens=tokens,
+        stacks=pl.concat([s.cast(schema) for s in stacks]) if stacks else pl.DataFrame(schema=schema),
+        roots=pl.DataFrame({"block_hash": roots}, schema={"block_hash": pl.UInt64}))
+
+
+def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, bytes_per_token: int,
+              scenario: str, acc: AccessStream, cut_ns: int | None) -> Reused:
+    """The rows from ``resume``'s checkpoint on (see ``Reused``); _CannotContinue when the lake
+    before the checkpoint is not the one it saw, or a missing event size would now count another."""
+    t = resume.checkpoint_ns
+    if resume.bytes_per_token != bytes_per_token:
+        raise _CannotContinue(f"bytes per token changed ({resume.bytes_per_token} -> {bytes_per_token})")
+    ts = acc.frame["ts_ns"]
+    if ts.null_count():
+        raise _CannotContinue("a request has no arrival time")
+    start = int((ts < t).sum())
+    if start != resume.accesses:
+        raise _CannotContinue(f"{start:,} accesses before the checkpoint, the state counted "
+                              f"{resume.accesses:,}")
+    if cut_ns is not None and cut_ns < t:
+        raise _CannotContinue("the new checkpoint is before the state's")
+    ev = None
+    if kv_events is not None:
+        ((before,),) = kv_events.filter(f"{_STORED} AND ts_ns < {int(t)}").aggregate("count(*)").fetchall()
+        if before != resume.events:
+            raise _CannotContinue(f"{before:,} stored events before the checkpoint, the state counted "
+                                  f"{resume.events:,}")
+        ev = _stored_events(kv_events, t)
+    elif resume.events:
+        raise _CannotContinue("the state counted stored events, none are given")
+    fill = _fill_tokens(pl.concat([resume.tokens, _token_counts(ev)]) if ev is not None else resume.tokens)
+    if fill != resume.fill_tokens and resume.unfilled:
+        raise _CannotContinue(f"events without block_tokens now count {fill} tokens, not "
+                              f"{resume.fill_tokens}")
+    parts, stacks, roots = _streams(acc, start, ev, fill, resume, bytes_per_token, cut_ns)
+    rows = sum(p.height for p in parts)
+    if resume.kept_rows + rows > MAX_REUSE_ROWS:
+        raise _CannotContinue(f"{resume.kept_rows + rows:,} rows would pass {MAX_REUSE_ROWS:,}")
+    state = _state(resume, acc, ev, fill, stacks, roots, bytes_per_token, cut_ns)
+    return Reused(_sorted(parts, scenario), state, t)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 from pathlib import Path
 
 import duckdb
 import numpy as np
 import polars as pl
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -165,3 +168,114 @@ def test_event_stream_order_does_not_depend_on_row_order() -> None:
     # Each block of the second event is re-stored with the 7 others of the chain in between: 8.
     assert outs[0]["distance_blocks"].to_list() == [8] * 8
     assert outs[1].equals(outs[0]) and outs[2].equals(outs[0])
+
+
+# -- continuing from a saved state (kvlens analyze's incremental runs) ---------------------------------
+
+
+def _grown(requests: list[tuple[int, str, list[int], bool]],
+           events: list[tuple[int, str, str, int, int | None]]) -> tuple[pl.DataFrame, ...]:
+    """request_blocks, requests and kv_events of scenario ``s``: requests (arrival, replica, chain
+    of block hashes, a partial tail) and stored events (ts, replica, medium, block, tokens)."""
+    rb, req = [], []
+    for i, (arrival, replica, chain, tail) in enumerate(requests):
+        req.append({"request_id": f"r{i}", "scenario": "s", "replica": replica})
+        for pos, block in enumerate(chain):
+            partial = tail and pos == len(chain) - 1
+            rb.append({"request_id": f"r{i}", "scenario": "s", "arrival_ns": arrival, "position": pos,
+                       "block_hash": block, "block_tokens": 5 if partial else 16, "block_size_tokens": 16})
+    ev = [{"ts_ns": ts, "seq": n, "replica": rep, "kind": "stored", "block_hash": block,
+           "block_tokens": tokens, "medium": medium, "position": 0, "scenario": "s"}
+          for n, (ts, rep, medium, block, tokens) in enumerate(events)]
+    return (pl.DataFrame(rb, schema_overrides={"block_hash": pl.UInt64}),
+            pl.DataFrame(req),
+            pl.DataFrame(ev, schema={"ts_ns": pl.Int64, "seq": pl.Int64, "replica": pl.String,
+                                     "kind": pl.String, "block_hash": pl.UInt64, "block_tokens": pl.Int64,
+                                     "medium": pl.String, "position": pl.Int32, "scenario": pl.String}))
+
+
+def _runs(frames: tuple[pl.DataFrame, ...], lakes: list[int],
+          lag: int) -> list[tuple[pl.DataFrame, pl.DataFrame]]:
+    """For each lake end L (the lake holds what is stamped before it, the checkpoint is L - lag):
+    the table kept by continuing (the rows before the previous checkpoint, then the new ones) and
+    reuse of the whole lake then. No row stamped before a checkpoint arrives after it, as
+    ``kvlens analyze`` guarantees (it rebuilds on a late segment)."""
+    from kvlens.analyzers.reuse import ReuseState, access_stream, reuse_continued
+
+    rb, req, ev = frames
+    con = duckdb.connect()
+    out, table, state = [], None, None
+    for end in lakes:
+        blocks = con.from_arrow(rb.filter(pl.col("arrival_ns") < end).to_arrow())
+        if not blocks.filter("block_tokens = 16").aggregate("count(*)").fetchall()[0][0]:
+            continue
+        reqs = con.from_arrow(req.to_arrow())
+        events = con.from_arrow(ev.filter(pl.col("ts_ns") < end).to_arrow())
+        acc = access_stream(blocks, "s", 2, reqs)
+        got = reuse_continued(kv_events=events, bytes_per_token=2, scenario="s", stream=acc, resume=state,
+                              checkpoint_ns=end - lag)
+        assert state is None or got.refused is None or "block_tokens" in got.refused, got.refused
+        if got.since is not None:
+            assert table is not None
+            table = pl.concat([table.filter(pl.col("ts_ns") < got.since), got.frame])
+        else:
+            table = got.frame
+        whole = reuse(request_blocks=blocks, kv_events=events, bytes_per_token=2, scenario="s",
+                      requests=reqs)
+        out.append((table, whole))
+        assert got.state is not None
+        state = ReuseState.from_bytes(got.state.to_bytes())  # as the analysis DB keeps it
+        kept = table.filter(pl.col("ts_ns") < state.checkpoint_ns).height
+        state = dataclasses.replace(state, kept_rows=kept)
+    return out
+
+
+_ORDER = list(REUSE.names)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests=st.lists(st.tuples(st.integers(0, 40), st.sampled_from("ab"),
+                                   st.lists(st.integers(1, 9), min_size=1, max_size=4), st.booleans()),
+                         min_size=1, max_size=25),
+       events=st.lists(st.tuples(st.integers(0, 40), st.sampled_from("ab"), st.sampled_from(["gpu", "cpu"]),
+                                 st.integers(1, 9), st.sampled_from([None, 8, 16, 16])), max_size=25),
+       ends=st.lists(st.integers(1, 41), min_size=1, max_size=4, unique=True), lag=st.integers(0, 6))
+def test_continued_reuse_equals_reuse_of_the_whole_lake(requests: list[tuple[int, str, list[int], bool]],
+                                                        events: list[tuple[int, str, str, int, int | None]],
+                                                        ends: list[int], lag: int) -> None:
+    """A lake grown by random time slices, reuse continued from the state the previous run saved:
+    after every run the table (the rows before the checkpoint kept, the rest new) is the table of
+    the whole lake, every stream (replicas, groups, fleet, replica/medium) row for row."""
+    for table, whole in _runs(_grown(requests, events), [*sorted(ends), 10**6], lag):
+        assert table.sort(_ORDER).equals(whole.sort(_ORDER))
+
+
+def test_a_block_that_becomes_a_chain_root_later_gets_its_earlier_group_rows() -> None:
+    """Block 2 is re-accessed at t=200 (after the checkpoint of the first run it is settled), and
+    only at t=300 starts a chain: its group stream then holds the re-access at 200 as well, which
+    the continued run adds to the rows it kept."""
+    frames = _grown([(100, "a", [1, 2], False), (200, "a", [1, 2], False), (300, "b", [2, 5], False)], [])
+    (first, _), (table, whole) = _runs(frames, [260, 10**6], lag=10)
+    assert "group:2" not in first["stream"].to_list()
+    assert table.filter(pl.col("stream") == "group:2")["ts_ns"].to_list() == [200, 300]
+    assert table.sort(_ORDER).equals(whole.sort(_ORDER))
+
+
+def test_a_continued_table_past_the_row_cap_is_computed_in_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlens.analyzers.reuse import access_stream, reuse_continued
+
+    module = importlib.import_module("kvlens.analyzers.reuse")  # the package's `reuse` is the function
+
+    rb, req, _ = _grown([(100, "a", [1, 2], False), (200, "a", [1, 2], False), (300, "a", [1, 2], False)], [])
+    con = duckdb.connect()
+    acc = access_stream(con.from_arrow(rb.filter(pl.col("arrival_ns") < 250).to_arrow()), "s", 2,
+                        con.from_arrow(req.to_arrow()))
+    state = reuse_continued(kv_events=None, bytes_per_token=2, scenario="s", stream=acc,
+                            checkpoint_ns=240).state
+    assert state is not None and state.accesses == 4
+    monkeypatch.setattr(module, "MAX_REUSE_ROWS", 5)
+    acc = access_stream(con.from_arrow(rb.to_arrow()), "s", 2, con.from_arrow(req.to_arrow()))
+    got = reuse_continued(kv_events=None, bytes_per_token=2, scenario="s", stream=acc,
+                          resume=dataclasses.replace(state, kept_rows=4), checkpoint_ns=290)
+    assert got.since is None and got.refused is not None and "would pass 5" in got.refused
+    assert got.frame.filter(pl.col("stream") == "requests").height == 4  # capped: the requests stream only
