@@ -45,11 +45,14 @@ def _rows(rows: list[dict[str, object]]) -> pl.DataFrame:
 def _tenant_blocks(requests: duckdb.DuckDBPyRelation,
                    request_blocks: duckdb.DuckDBPyRelation) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(request_id -> tenant, full blocks with tenant and arrival) of the scenario."""
-    tenants = (requests.select("request_id", "tenant").pl().filter(pl.col("tenant").is_not_null())
+    tenants = (requests.filter("tenant IS NOT NULL").select("request_id", "tenant").pl()
                .unique("request_id", keep="first"))
-    blocks = (request_blocks.select("request_id", "arrival_ns", "block_hash", "block_tokens",
-                                    "block_size_tokens").pl()
-              .filter(pl.col("block_tokens") >= pl.col("block_size_tokens"))
+    if tenants.is_empty():  # most fleets: no block of the lake need be read
+        return tenants, pl.DataFrame(schema={"request_id": pl.Utf8, "arrival_ns": pl.Int64,
+                                             "block_hash": pl.UInt64, "block_tokens": pl.Int32,
+                                             "block_size_tokens": pl.Int32, "tenant": pl.Utf8})
+    blocks = (request_blocks.filter("block_tokens >= block_size_tokens")
+              .select("request_id", "arrival_ns", "block_hash", "block_tokens", "block_size_tokens").pl()
               .join(tenants, on="request_id"))
     return tenants, blocks
 
@@ -120,11 +123,14 @@ def _name_diff(a: str, b: str) -> str:
     return f"{' '.join(only_a) or '(nothing)'!r} vs {' '.join(only_b) or '(nothing)'!r}"
 
 
-def _incompatible(outcomes: pl.DataFrame, spaces: pl.DataFrame,
+def _incompatible(outcomes: pl.DataFrame, request_blocks: duckdb.DuckDBPyRelation,
                   bytes_per_token: int) -> list[dict[str, object]]:
-    missed = (outcomes.filter((pl.col("outcome").cast(pl.Utf8) == Outcome.MISS_INCOMPATIBLE.value)
-                              & pl.col("key_diff").is_not_null())
-              .join(spaces, on=["request_id", "position"], how="left")
+    missed = outcomes.filter((pl.col("outcome").cast(pl.Utf8) == Outcome.MISS_INCOMPATIBLE.value)
+                             & pl.col("key_diff").is_not_null())
+    if missed.is_empty():
+        return []
+    spaces = request_blocks.select("request_id", "position", "namespace").pl()
+    missed = (missed.join(spaces, on=["request_id", "position"], how="left")
               .with_columns(pl.col("namespace").fill_null("(none)")))
     out: list[dict[str, object]] = []
     for r in (missed.group_by("namespace", "key_diff").agg(blocks=pl.len(),
@@ -143,9 +149,16 @@ def _incompatible(outcomes: pl.DataFrame, spaces: pl.DataFrame,
     return out
 
 
+def _distinct_keys(rel: duckdb.DuckDBPyRelation, label: str) -> pl.DataFrame:
+    """label, content_hash, block_hash: each distinct triple of ``rel`` with a content hash and a label."""
+    return (rel.filter(f"content_hash IS NOT NULL AND {label} IS NOT NULL")
+            .select(duckdb.ColumnExpression(label).cast(duckdb.sqltype("VARCHAR")).alias("label"),
+                    "content_hash", "block_hash").distinct().pl())
+
+
 def _different_keys(keys: pl.DataFrame, what: str) -> list[dict[str, object]]:
-    """Pairs of ``label`` values that keyed the same ``content_hash`` to different block hashes."""
-    keys = keys.filter(pl.col("content_hash").is_not_null() & pl.col("label").is_not_null()).unique()
+    """Pairs of ``label`` values that keyed the same ``content_hash`` to different block hashes
+    (``keys``: ``_distinct_keys``)."""
     multi = keys.group_by("content_hash").agg(n=pl.col("block_hash").n_unique()).filter(pl.col("n") > 1)
     keys = keys.join(multi.select("content_hash"), on="content_hash")
     pairs = (keys.join(keys, on="content_hash", suffix="_b")
@@ -160,10 +173,13 @@ def _different_keys(keys: pl.DataFrame, what: str) -> list[dict[str, object]]:
             for r in pairs.iter_rows(named=True)]
 
 
-def _block_sizes(router: pl.DataFrame, events: pl.DataFrame) -> list[dict[str, object]]:
-    router_sizes = sorted(router["block_size_tokens"].drop_nulls().unique().to_list())
-    engine = (events.filter(pl.col("block_tokens").is_not_null())
-              .group_by("replica").agg(sizes=pl.col("block_tokens").unique().sort(), blocks=pl.len())
+def _block_sizes(request_blocks: duckdb.DuckDBPyRelation, stored: duckdb.DuckDBPyRelation
+                 ) -> list[dict[str, object]]:
+    router_sizes = sorted(r[0] for r in request_blocks.filter("block_size_tokens IS NOT NULL")
+                          .select("block_size_tokens").distinct().fetchall())
+    engine = (stored.filter("block_tokens IS NOT NULL").aggregate("replica, block_tokens, count(*) AS n").pl()
+              .group_by("replica").agg(sizes=pl.col("block_tokens").unique().sort(),
+                                       blocks=pl.col("n").sum().cast(pl.UInt32))
               .sort("replica"))
     out: list[dict[str, object]] = []
     for r in engine.iter_rows(named=True):
@@ -207,21 +223,17 @@ def isolation_findings(
     ``bytes_per_token``) when the finding is about needed blocks, requests (requests involved,
     when known). Sorted by severity (high first), finding, blocks (most first), subject.
     """
+    # Each finding reads only the rows it can be about, filtered and reduced in DuckDB: a fleet's
+    # lake is read as counts and distinct keys, not as frames of every block and event.
     tenants, tblocks = _tenant_blocks(requests, request_blocks)
-    router = request_blocks.select("request_id", "position", "block_hash", "content_hash",
-                                   "block_size_tokens", "namespace").pl()
-    events = (kv_events.select("replica", "kind", "block_hash", "content_hash", "block_tokens", "extra_key",
-                               "namespace").pl()
-              .filter(pl.col("kind").cast(pl.Utf8) == "stored"))
+    stored = kv_events.filter("kind = 'stored'")
     rows = [
         *_cross_tenant(tenants, tblocks, block_outcomes, bytes_per_token),
-        *_cross_salt(events),
-        *_incompatible(block_outcomes, router.select("request_id", "position", "namespace"), bytes_per_token),
-        *_different_keys(events.select(label=pl.col("replica"), content_hash="content_hash",
-                                       block_hash="block_hash"), "replicas"),
-        *_different_keys(router.select(label=pl.col("namespace"), content_hash="content_hash",
-                                       block_hash="block_hash"), "namespaces"),
-        *_block_sizes(router, events),
+        *_cross_salt(stored.filter("extra_key IS NOT NULL").select("block_hash", "extra_key").pl()),
+        *_incompatible(block_outcomes, request_blocks, bytes_per_token),
+        *_different_keys(_distinct_keys(stored, "replica"), "replicas"),
+        *_different_keys(_distinct_keys(request_blocks, "namespace"), "namespaces"),
+        *_block_sizes(request_blocks, stored),
     ]
     return (_rows(rows).with_columns(scenario=pl.lit(scenario))
             .with_columns(rank=pl.col("severity").replace_strict(_SEVERITY_ORDER, return_dtype=pl.Int8))

@@ -111,28 +111,34 @@ EVENT_COLUMNS = ("CASE WHEN medium = 'pool' THEN 'pool' ELSE coalesce(replica, '
                  "coalesce(group_idx, 0) AS group_idx, block_tokens, ts_ns")
 
 
-def _stored(events: pl.DataFrame, block_size_tokens: int) -> pl.DataFrame:
-    """Per location, tier and group: the blocks stored (one per stored event), their tokens, the removals."""
-    stored = pl.col("kind") == "stored"
-    tokens = pl.col("block_tokens").fill_null(block_size_tokens).cast(pl.Int64)
-    return events.group_by("location", "tier", "group_idx").agg(
-        stored_blocks=stored.sum().cast(pl.Int64), stored_tokens=tokens.filter(stored).sum(),
-        removed_blocks=(pl.col("kind") == "removed").sum().cast(pl.Int64))
+def _stored(events: duckdb.DuckDBPyRelation, block_size_tokens: int) -> pl.DataFrame:
+    """Per location, tier and group: the blocks stored (one per stored event), their tokens, the
+    removals (counted in DuckDB: a fleet's events are not pulled for three sums)."""
+    return events.aggregate(
+        "location, tier, group_idx, "
+        "count(*) FILTER (WHERE kind = 'stored') AS stored_blocks, "
+        f"coalesce(sum(coalesce(block_tokens, {int(block_size_tokens)})) FILTER (WHERE kind = 'stored'), 0) "
+        "AS stored_tokens, count(*) FILTER (WHERE kind = 'removed') AS removed_blocks").pl().cast(
+        {"stored_blocks": pl.Int64, "stored_tokens": pl.Int64, "removed_blocks": pl.Int64})
 
 
-def _demoted(events: pl.DataFrame) -> pl.DataFrame:
+def _demoted(events: duckdb.DuckDBPyRelation) -> pl.DataFrame:
     """Per location, the GPU removals that were demotions.
 
     A GPU removal is a demotion when the same location's latest lower-tier event for the block
     (same group), up to the removal's time, stored it; at that time a store, if any, wins over
-    a removal of the same instant.
+    a removal of the same instant. Only the lower tiers' events and the GPU removals are read,
+    and none of the removals when no lower tier has an event.
     """
     keys = ["location", "block_hash", "group_idx"]
-    known = pl.col("block_hash").is_not_null() & pl.col("ts_ns").is_not_null()
-    removals = (events.filter(known & (pl.col("tier") == Medium.GPU.value) & (pl.col("kind") == "removed"))
-                .select(*keys, "ts_ns").sort("ts_ns"))
-    lower = (events.filter(known & pl.col("tier").is_in([Medium.CPU.value, Medium.DISK.value]))
-             .group_by(*keys, "ts_ns").agg(stored=(pl.col("kind") == "stored").any()).sort("ts_ns"))
+    known = events.filter("block_hash IS NOT NULL AND ts_ns IS NOT NULL")
+    lower = (known.filter(f"tier IN ('{Medium.CPU.value}', '{Medium.DISK.value}')")
+             .aggregate("location, block_hash, group_idx, ts_ns, bool_or(kind = 'stored') AS stored").pl()
+             .sort("ts_ns"))
+    if lower.is_empty():
+        return pl.DataFrame(schema={"location": pl.Utf8, "demoted_blocks": pl.Int64, "tier": pl.Utf8})
+    removals = (known.filter(f"tier = '{Medium.GPU.value}' AND kind = 'removed'")
+                .select(*keys, "ts_ns").pl().sort("ts_ns"))
     # Both sides are sorted on ts_ns; polars cannot check that within the by-groups.
     latest = removals.join_asof(lower, on="ts_ns", by=keys, strategy="backward", check_sortedness=False)
     return (latest.filter(pl.col("stored").fill_null(False)).group_by("location")
@@ -168,7 +174,7 @@ def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelat
     ``block_size_tokens`` stands in for an event without a block size. Sorted.
     """
     cond = duckdb.ColumnExpression("kind") != duckdb.ConstantExpression("cleared")
-    events = kv_events.filter(cond).project(EVENT_COLUMNS).pl()
+    events = kv_events.filter(cond).project(EVENT_COLUMNS)
     stored = _stored(events, block_size_tokens)
     rates = list(group_bytes_per_token or [])
     groups = sorted(set(stored["group_idx"].to_list()))
