@@ -62,14 +62,18 @@ Global, recomputed from stored rows: ``scenarios``, ``latency_tails`` (quantiles
 ``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``, ``hygiene``,
 ``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured on the
 4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, the 6th of 6 increments (one
-in-process ``kvlens analyze`` of 1.61 s, the ledger and flows continued): the ledger 0.33 s, flows
-0.20 s (its state keeps the latest store of every block and location: a later read may still be
-matched to it, so it is as large as the blocks ever stored, 111k rows here), reuse 0.18 s,
-isolation_findings 0.12 s, tier_payoff 0.08 s, warmup 0.06 s, ttl_coverage 0.06 s,
-prefix_ranking 0.06 s, writing the DB 0.17 s.
+in-process ``kvlens analyze`` of 1.34 s, the ledger, flows and reuse continued): the ledger 0.30 s,
+flows 0.19 s (its state keeps the latest store of every block and location: a later read may still
+be matched to it, so it is as large as the blocks ever stored, 111k rows here), reuse 0.15 s (most
+of it the whole ``requests`` stream mrc and ttl_coverage read), isolation_findings 0.09 s, warmup
+0.06 s, tier_payoff 0.06 s, prefix_ranking 0.05 s, ttl_coverage 0.04 s, writing the DB 0.10 s;
+DuckDB's scans and binds are 0.44 s of it (a group-by over the 392k kv_events rows alone takes
+about 20 ms, and five analyses read them). The next step: per-analysis states for the mergeable
+aggregates, whose scans then read only the rows from the checkpoint on (parquet statistics prune
+the older segments).
 
-The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``, the ledger's
-replay state), written in the same file as the results (kvlens/analysis_db.py builds it under a
+The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``, ``kvlens_flows``
+and ``kvlens_reuse``, the analyzers' own states), written in the same file as the results (kvlens/analysis_db.py builds it under a
 temporary name and renames it into place), so a kill during an analysis leaves the previous DB
 and its state together.
 """
