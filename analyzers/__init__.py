@@ -62,6 +62,7 @@ class LedgerPlan:
     reuse_resume: ReuseState | None = None  # reuse's state, when its rows before it are kept
     reuse_state: ReuseState | None = None  # set: reuse's state at ``horizon_ns``
     reuse_since: int | None = None  # set when reuse continued: its rows from this time on are new
+    reuse_refused: str | None = None  # set when reuse was given a state and could not continue
 
 
 def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
@@ -147,7 +148,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     stream = access_stream(blocks, scenario, per_token, requests)
     reused = reuse_continued(kv_events=events, bytes_per_token=per_token, scenario=scenario, stream=stream,
                              resume=plan.reuse_resume, checkpoint_ns=plan.horizon_ns)
-    plan.reuse_state, plan.reuse_since = reused.state, reused.since
+    plan.reuse_state, plan.reuse_since, plan.reuse_refused = reused.state, reused.since, reused.refused
     yield "reuse", reused.frame
     curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
                 sample_rate=SHARDS_RATE, stream=stream, partitions=plan.partitions)

@@ -203,7 +203,8 @@ def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan
         said = (f"ledger continued from its checkpoint at {plan.resume.state.checkpoint_ns} ns, "
                 f"{result.replayed:,} requests replayed in this process")
     if decision.mode == "appended":
-        said += (f"; reuse continued from its checkpoint at {plan.reuse_since} ns" if plan.reuse_since is not None
-                 else "; reuse computed in full")
+        said += (f"; reuse continued from its checkpoint at {plan.reuse_since} ns"
+                 if plan.reuse_since is not None else
+                 f"; reuse computed in full: {plan.reuse_refused or 'no saved state it can continue'}")
     log.info("scenario %s: %s", scenario, said)
     return incremental.Decision(decision.mode, f"{decision.reason}; {said}")

@@ -72,10 +72,10 @@ about 20 ms, and five analyses read them). The next step: per-analysis states fo
 aggregates, whose scans then read only the rows from the checkpoint on (parquet statistics prune
 the older segments).
 
-The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``, ``kvlens_flows``
-and ``kvlens_reuse``, the analyzers' own states), written in the same file as the results (kvlens/analysis_db.py builds it under a
-temporary name and renames it into place), so a kill during an analysis leaves the previous DB
-and its state together.
+The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``,
+``kvlens_flows`` and ``kvlens_reuse``, the analyzers' own states), written in the same file as the
+results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
+kill during an analysis leaves the previous DB and its state together.
 """
 
 from __future__ import annotations

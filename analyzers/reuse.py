@@ -379,7 +379,8 @@ def _fill_tokens(counts: pl.DataFrame) -> int:
     if counts.height == 0:
         return 0
     top = counts.group_by("block_tokens").agg(pl.col("count").sum())
-    return int(top.filter(pl.col("count") == pl.col("count").max())["block_tokens"].min())
+    modes = top.filter(pl.col("count") == pl.col("count").max())
+    return int(modes.select(pl.col("block_tokens").min()).item())
 
 
 def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray,
@@ -602,7 +603,7 @@ def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None,
     if prior is not None:
         tokens = (pl.concat([prior.tokens, tokens]).group_by("block_tokens").agg(pl.col("count").sum())
                   .sort("block_tokens"))
-    schema = {"stream": pl.String, "block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64}
+    schema = pl.Schema({"stream": pl.String, "block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64})
     return ReuseState(
         checkpoint_ns=cut_ns, bytes_per_token=bytes_per_token,
         accesses=int((ts < cut_ns).sum()),
