@@ -132,9 +132,14 @@ def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.Da
     blocks = (ev.filter(pl.col("kind").is_in(["stored", "removed"]) & pl.col("block_hash").is_not_null())
               .select(*_STORE_COLS, "kind", read=pl.lit(False), known=pl.lit(None, pl.Utf8),
                       known_ts=pl.lit(None, pl.Int64)))
+    closed = None
     if carried is not None and carried.height:
-        blocks = pl.concat([carried.select(*_STORE_COLS, kind=pl.lit("stored"), read="read", known="ended",
-                                           known_ts="end_ts"), blocks], how="vertical_relaxed")
+        # A carried store whose end is known keeps it, and no other carried store of its key comes
+        # after it (that one would have ended it): only the still-resident ones meet ``ev``.
+        closed = carried.filter(pl.col("ended").is_not_null())
+        blocks = pl.concat([carried.filter(pl.col("ended").is_null())
+                            .select(*_STORE_COLS, kind=pl.lit("stored"), read="read", known="ended",
+                                    known_ts="end_ts"), blocks], how="vertical_relaxed")
     same = pl.all_horizontal(pl.col(k) == pl.col(k).shift(-1) for k in key)
     blocks = blocks.sort(*key, "n").with_columns(next_n=pl.when(same).then(pl.col("n").shift(-1)),
                                                  next_kind=pl.when(same).then(pl.col("kind").shift(-1)),
@@ -157,8 +162,11 @@ def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.Da
              .when(pl.col("next_kind") == "stored").then(pl.lit("restored")))
     end_ts = pl.when(by_clear).then(clear_ts).otherwise(pl.col("next_ts"))
     known = pl.col("known").is_not_null()
-    return stores.select(*_STORE_COLS, "read", ended=pl.when(known).then(pl.col("known")).otherwise(ended),
-                         end_ts=pl.when(known).then(pl.col("known_ts")).otherwise(end_ts))
+    out = stores.select(*_STORE_COLS, "read", ended=pl.when(known).then(pl.col("known")).otherwise(ended),
+                        end_ts=pl.when(known).then(pl.col("known_ts")).otherwise(end_ts))
+    if closed is None or not closed.height:
+        return out
+    return pl.concat([out, closed.select(out.columns)], how="vertical_relaxed").sort("n")
 
 
 def _loads(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
