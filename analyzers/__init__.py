@@ -31,6 +31,7 @@ from kvlens.analyzers.ranking import prefix_ranking
 from kvlens.analyzers.reconcile import reconcile
 from kvlens.analyzers.request_ledger import request_ledger
 from kvlens.analyzers.reuse import ReuseState, access_stream, reuse, reuse_continued
+from kvlens.analyzers.scans import Scans, ScanState
 from kvlens.analyzers.tails import latency_tails
 from kvlens.analyzers.tiers import tier_payoff, tier_reconciliation
 from kvlens.analyzers.warmup import warmup
@@ -63,6 +64,9 @@ class LedgerPlan:
     reuse_state: ReuseState | None = None  # set: reuse's state at ``horizon_ns``
     reuse_since: int | None = None  # set when reuse continued: its rows from this time on are new
     reuse_refused: str | None = None  # set when reuse was given a state and could not continue
+    scans_resume: ScanState | None = None  # the lake aggregates' state (analyzers/scans.py)
+    scans_state: ScanState | None = None  # set: their state at ``horizon_ns``
+    scans_said: str | None = None  # set when given a state: whether they continued, and why not
 
 
 def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
@@ -117,9 +121,11 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "miss_ledger", miss_ledger(block_outcomes=outcomes, incomplete=per_request)
     yield "request_ledger", per_request
     yield "hygiene", hygiene(request_blocks=blocks, scenario=scenario, bytes_per_token=per_token)
+    scans = Scans({"kv_events": (events, "ts_ns"), "request_blocks": (blocks, "arrival_ns")},
+                  plan.scans_resume, plan.horizon_ns)
     yield "isolation_findings", isolation_findings(
         requests=requests, request_blocks=blocks, kv_events=events, block_outcomes=outcomes,
-        scenario=scenario, bytes_per_token=per_token)
+        scenario=scenario, bytes_per_token=per_token, scans=scans)
     result = plan.result
     continued = (plan.flows_resume if result.appended is not None and plan.resume is not None
                  and plan.flows_resume is not None
@@ -132,7 +138,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "fanout", fanout(block_outcomes=outcomes)
     yield "latency_tails", latency_tails(request_ledger=per_request)
     yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes, kv_events=events,
-                           scenario=scenario)
+                           scenario=scenario, scans=scans)
     costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
     yield "crossover", crossover(costs=costs, scenario=scenario)
     yield "prefix_ranking", prefix_ranking(block_outcomes=outcomes, costs=costs, scenario=scenario)
@@ -144,7 +150,13 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "tier_reconciliation", tier_reconciliation(
         block_outcomes=outcomes, requests=requests, metric_samples=metrics, scenario=scenario)
     yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
-                                     bytes_per_token=per_token, group_bytes_per_token=group_rates)
+                                     bytes_per_token=per_token, group_bytes_per_token=group_rates,
+                                     scans=scans)
+    plan.scans_state = scans.state()
+    if plan.scans_resume is not None:
+        plan.scans_said = (f"lake aggregates continued from {plan.scans_resume.checkpoint_ns} ns"
+                           if scans.resume is not None
+                           else f"lake aggregates computed in full: {scans.refused}")
     stream = access_stream(blocks, scenario, per_token, requests)
     reused = reuse_continued(kv_events=events, bytes_per_token=per_token, scenario=scenario, stream=stream,
                              resume=plan.reuse_resume, checkpoint_ns=plan.horizon_ns)

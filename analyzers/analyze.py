@@ -123,7 +123,9 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                                       # reuse keeps its rows before its checkpoint where they are: in a
                                       # copy of the previous DB, and when no --join can change them
                                       reuse_resume=(incremental.reuse_resume_of(con, scenario)
-                                                    if appended and base is not None and not join else None))
+                                                    if appended and base is not None and not join else None),
+                                      scans_resume=(incremental.scans_resume_of(con, scenario)
+                                                    if appended else None))
                     pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                              metrics_from=metrics_from, model_source=source, ledger=plan)
                     if base is not None:
@@ -132,7 +134,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     yield from pairs
                     decision = _ledger_said(scenario, decision, plan)
                     incremental.write_ledger(con, scenario, plan.result.state if plan.result else None,
-                                             plan.flows_state, plan.reuse_state)
+                                             plan.flows_state, plan.reuse_state, plan.scans_state)
                 incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
@@ -206,5 +208,6 @@ def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan
         said += (f"; reuse continued from its checkpoint at {plan.reuse_since} ns"
                  if plan.reuse_since is not None else
                  f"; reuse computed in full: {plan.reuse_refused or 'no saved state it can continue'}")
+        said += f"; {plan.scans_said or 'lake aggregates computed in full: no saved state'}"
     log.info("scenario %s: %s", scenario, said)
     return incremental.Decision(decision.mode, f"{decision.reason}; {said}")

@@ -27,8 +27,10 @@ On the next ``kvlens analyze`` each chosen scenario is, in this order:
   continues from its own state at the same checkpoint when the ledger did (analyzers/flows.py,
   ``FlowsState``); ``reuse`` keeps its rows stamped before its checkpoint (the horizon) and
   computes the rest from each stream's LRU stack there (analyzers/reuse.py, ``ReuseState``), in a
-  copy of the previous DB and without ``--join``; every other analysis is computed again over the
-  whole scenario.
+  copy of the previous DB and without ``--join``; the lake aggregates of tier_payoff (store
+  counts), warmup (first events, clears) and isolation_findings (block sizes, salts) continue
+  from theirs (analyzers/scans.py, ``ScanState``), scanning only the rows from their checkpoint
+  on; every other analysis is computed again over the whole scenario.
 
 Where it is written. An incremental analysis starts from a copy of the previous DB (``base_of``):
 a carried scenario's rows stay where they are, an analyzed one's are deleted first, a continued
@@ -73,7 +75,7 @@ aggregates, whose scans then read only the rows from the checkpoint on (parquet 
 the older segments).
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``,
-``kvlens_flows`` and ``kvlens_reuse``, the analyzers' own states), written in the same file as the
+``kvlens_flows``, ``kvlens_reuse`` and ``kvlens_scans``, the analyzers' own states), written in the same file as the
 results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
 kill during an analysis leaves the previous DB and its state together.
 """
@@ -99,6 +101,7 @@ from kvlens.analyzers.flows import FLOWS_TABLE, FlowsState
 from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
 from kvlens.analyzers.outcomes import Resume
 from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
+from kvlens.analyzers.scans import SCANS_TABLE, ScanState
 from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
@@ -106,7 +109,7 @@ from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 __all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_of", "carry_scenario",
            "clear_scenario", "code_digest", "decide", "delete_requests", "delete_since", "detach_previous",
            "drop_others", "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of",
-           "reuse_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
+           "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +118,8 @@ log = logging.getLogger(__name__)
 LATE_LAG_NS = 60 * 1_000_000_000
 STATE_TABLE = "kvlens_state"
 PREVIOUS = "kvlens_prev"  # the alias the previous analysis DB is attached under
-_SAVED_STATES = (LEDGER_TABLE, FLOWS_TABLE, REUSE_STATE_TABLE)  # analyzers' states, one blob per scenario
+# analyzers' states, one blob per scenario each
+_SAVED_STATES = (LEDGER_TABLE, FLOWS_TABLE, REUSE_STATE_TABLE, SCANS_TABLE)
 _STATE_COLUMNS = "scenario VARCHAR, config VARCHAR, segments VARCHAR, watermark_ns BIGINT, mode VARCHAR"
 _LEDGER_COLUMNS = "scenario VARCHAR, checkpoint_ns BIGINT, state BLOB"
 CREATE_STATE_SQL = f"CREATE TABLE IF NOT EXISTS {STATE_TABLE} ({_STATE_COLUMNS})"
@@ -345,10 +349,12 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
 
 
 def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerState | None,
-                 flows: FlowsState | None = None, reuse: ReuseState | None = None) -> None:
-    """Record the scenario's ledger state, and flows' and reuse's beside it, in the DB being built
-    (``carry_scenario`` copies them)."""
-    for table, saved in ((LEDGER_TABLE, state), (FLOWS_TABLE, flows), (REUSE_STATE_TABLE, reuse)):
+                 flows: FlowsState | None = None, reuse: ReuseState | None = None,
+                 scans: ScanState | None = None) -> None:
+    """Record the scenario's ledger state, and flows', reuse's and the lake aggregates' beside it,
+    in the DB being built (``carry_scenario`` copies them)."""
+    for table, saved in ((LEDGER_TABLE, state), (FLOWS_TABLE, flows), (REUSE_STATE_TABLE, reuse),
+                         (SCANS_TABLE, scans)):
         con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({_LEDGER_COLUMNS})")
         if saved is not None:
             con.execute(f"INSERT INTO {table} VALUES (?, ?, ?)",
@@ -383,6 +389,19 @@ def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ReuseState
     ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ?",
                              [scenario, state.checkpoint_ns]).fetchall()
     return dataclasses.replace(state, kept_rows=int(kept))
+
+
+def scans_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ScanState | None:
+    """The lake aggregates' state the previous analysis DB saved for ``scenario``, if readable."""
+    blob = _saved(con, SCANS_TABLE, scenario)
+    if blob is None:
+        return None
+    try:
+        return ScanState.from_bytes(blob)
+    except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
+        log.warning("scenario %s: the saved lake aggregates are unreadable (%s); computing them in full",
+                    scenario, e)
+        return None
 
 
 def detach_previous(con: duckdb.DuckDBPyConnection) -> None:

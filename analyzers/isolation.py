@@ -26,6 +26,7 @@ import re
 import duckdb
 import polars as pl
 
+from kvlens.analyzers.scans import Scans
 from kvlens.schema import HIT_OUTCOMES, Outcome, Severity
 
 __all__ = ["isolation_findings"]
@@ -173,13 +174,15 @@ def _different_keys(keys: pl.DataFrame, what: str) -> list[dict[str, object]]:
             for r in pairs.iter_rows(named=True)]
 
 
-def _block_sizes(request_blocks: duckdb.DuckDBPyRelation, stored: duckdb.DuckDBPyRelation
-                 ) -> list[dict[str, object]]:
-    router_sizes = sorted(r[0] for r in request_blocks.filter("block_size_tokens IS NOT NULL")
-                          .select("block_size_tokens").distinct().fetchall())
-    engine = (stored.filter("block_tokens IS NOT NULL").aggregate("replica, block_tokens, count(*) AS n").pl()
-              .group_by("replica").agg(sizes=pl.col("block_tokens").unique().sort(),
-                                       blocks=pl.col("n").sum().cast(pl.UInt32))
+def _block_sizes(request_blocks: duckdb.DuckDBPyRelation, stored: duckdb.DuckDBPyRelation,
+                 scans: Scans) -> list[dict[str, object]]:
+    router_sizes = sorted(scans.aggregate("isolation.router_sizes", "request_blocks",
+                                          request_blocks.filter("block_size_tokens IS NOT NULL"),
+                                          ["block_size_tokens"])["block_size_tokens"].to_list())
+    counts = scans.aggregate("isolation.engine_sizes", "kv_events", stored.filter("block_tokens IS NOT NULL"),
+                             ["replica", "block_tokens"], {"n": ("CAST(count(*) AS BIGINT)", "sum")})
+    engine = (counts.group_by("replica").agg(sizes=pl.col("block_tokens").unique().sort(),
+                                             blocks=pl.col("n").sum().cast(pl.UInt32))
               .sort("replica"))
     out: list[dict[str, object]] = []
     for r in engine.iter_rows(named=True):
@@ -214,6 +217,7 @@ def isolation_findings(
     block_outcomes: pl.DataFrame,
     scenario: str,
     bytes_per_token: int,
+    scans: Scans | None = None,
 ) -> pl.DataFrame:
     """Isolation and compatibility findings of ``scenario``, from its rows (see the module docstring).
 
@@ -222,18 +226,22 @@ def isolation_findings(
     (kvlens.schema.Severity: high, medium, low), tokens and bytes (tokens x
     ``bytes_per_token``) when the finding is about needed blocks, requests (requests involved,
     when known). Sorted by severity (high first), finding, blocks (most first), subject.
+    ``scans``: continues the block sizes and salts from the previous run's (analyzers/scans.py).
     """
+    scans = scans or Scans({"kv_events": (kv_events, "ts_ns"),
+                            "request_blocks": (request_blocks, "arrival_ns")})
     # Each finding reads only the rows it can be about, filtered and reduced in DuckDB: a fleet's
     # lake is read as counts and distinct keys, not as frames of every block and event.
     tenants, tblocks = _tenant_blocks(requests, request_blocks)
     stored = kv_events.filter("kind = 'stored'")
     rows = [
         *_cross_tenant(tenants, tblocks, block_outcomes, bytes_per_token),
-        *_cross_salt(stored.filter("extra_key IS NOT NULL").select("block_hash", "extra_key").pl()),
+        *_cross_salt(scans.aggregate("isolation.salts", "kv_events", stored.filter("extra_key IS NOT NULL"),
+                                     ["block_hash", "extra_key"])),
         *_incompatible(block_outcomes, request_blocks, bytes_per_token),
         *_different_keys(_distinct_keys(stored, "replica"), "replicas"),
         *_different_keys(_distinct_keys(request_blocks, "namespace"), "namespaces"),
-        *_block_sizes(request_blocks, stored),
+        *_block_sizes(request_blocks, stored, scans),
     ]
     return (_rows(rows).with_columns(scenario=pl.lit(scenario))
             .with_columns(rank=pl.col("severity").replace_strict(_SEVERITY_ORDER, return_dtype=pl.Int8))

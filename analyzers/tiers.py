@@ -28,6 +28,7 @@ import duckdb
 import polars as pl
 
 from kvlens.analyzers.reconcile import series_increase
+from kvlens.analyzers.scans import Scans
 from kvlens.schema import HIT_OUTCOMES, Medium
 
 __all__ = ["tier_payoff", "tier_reconciliation"]
@@ -111,15 +112,15 @@ EVENT_COLUMNS = ("CASE WHEN medium = 'pool' THEN 'pool' ELSE coalesce(replica, '
                  "coalesce(group_idx, 0) AS group_idx, block_tokens, ts_ns")
 
 
-def _stored(events: duckdb.DuckDBPyRelation, block_size_tokens: int) -> pl.DataFrame:
+def _stored(events: duckdb.DuckDBPyRelation, block_size_tokens: int, scans: Scans) -> pl.DataFrame:
     """Per location, tier and group: the blocks stored (one per stored event), their tokens, the
-    removals (counted in DuckDB: a fleet's events are not pulled for three sums)."""
-    return events.aggregate(
-        "location, tier, group_idx, "
-        "count(*) FILTER (WHERE kind = 'stored') AS stored_blocks, "
-        f"coalesce(sum(coalesce(block_tokens, {int(block_size_tokens)})) FILTER (WHERE kind = 'stored'), 0) "
-        "AS stored_tokens, count(*) FILTER (WHERE kind = 'removed') AS removed_blocks").pl().cast(
-        {"stored_blocks": pl.Int64, "stored_tokens": pl.Int64, "removed_blocks": pl.Int64})
+    removals (counted in DuckDB, and continued from the previous run's counts: ``scans``)."""
+    return scans.aggregate(f"tiers.stored.{int(block_size_tokens)}", "kv_events", events,
+                           ["location", "tier", "group_idx"], {
+        "stored_blocks": ("CAST(count(*) FILTER (WHERE kind = 'stored') AS BIGINT)", "sum"),
+        "stored_tokens": (f"CAST(coalesce(sum(coalesce(block_tokens, {int(block_size_tokens)})) "
+                          "FILTER (WHERE kind = 'stored'), 0) AS BIGINT)", "sum"),
+        "removed_blocks": ("CAST(count(*) FILTER (WHERE kind = 'removed') AS BIGINT)", "sum")})
 
 
 def _demoted(events: duckdb.DuckDBPyRelation) -> pl.DataFrame:
@@ -162,7 +163,8 @@ def _served(block_outcomes: pl.DataFrame) -> pl.DataFrame:
 
 def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelation, scenario: str,
                 bytes_per_token: int, block_size_tokens: int = 16,
-                group_bytes_per_token: Sequence[int] | None = None) -> pl.DataFrame:
+                group_bytes_per_token: Sequence[int] | None = None,
+                scans: Scans | None = None) -> pl.DataFrame:
     """What each tier of each location stored, lost, demoted and served.
 
     Columns: scenario, replica (the location: a replica or ``pool``), tier (gpu, cpu, disk, pool),
@@ -171,11 +173,12 @@ def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelat
     hit_tokens, hit_bytes, served_per_stored_ratio (hit over stored bytes), paid_off (hit bytes at
     least the stored bytes; NULL when nothing was stored). ``bytes_per_token`` prices a stored
     block (``group_bytes_per_token``: each KV cache group its own rate, as for block outcomes);
-    ``block_size_tokens`` stands in for an event without a block size. Sorted.
+    ``block_size_tokens`` stands in for an event without a block size. ``scans``: continues the
+    store counts from the previous run's (analyzers/scans.py). Sorted.
     """
     cond = duckdb.ColumnExpression("kind") != duckdb.ConstantExpression("cleared")
     events = kv_events.filter(cond).project(EVENT_COLUMNS)
-    stored = _stored(events, block_size_tokens)
+    stored = _stored(events, block_size_tokens, scans or Scans({"kv_events": (kv_events, "ts_ns")}))
     rates = list(group_bytes_per_token or [])
     groups = sorted(set(stored["group_idx"].to_list()))
     per_group = len(rates) >= 2 and groups == list(range(len(rates)))

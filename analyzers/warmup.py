@@ -32,6 +32,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from kvlens.analyzers.scans import Scans
 from kvlens.schema import HIT_OUTCOMES
 
 __all__ = ["warmup"]
@@ -46,10 +47,11 @@ _SCHEMA = {
 }
 
 
-def _starts(ledger: pl.DataFrame, kv_events: duckdb.DuckDBPyRelation) -> pl.DataFrame:
-    ev = (kv_events.aggregate("replica, kind, min(ts_ns) AS first_ns", "replica, kind").pl()
-          .with_columns(pl.col("replica").cast(pl.Utf8), pl.col("kind").cast(pl.Utf8)))
-    clears = (kv_events.filter("kind = 'cleared'").select("replica, ts_ns").distinct().pl()
+def _starts(ledger: pl.DataFrame, kv_events: duckdb.DuckDBPyRelation, scans: Scans) -> pl.DataFrame:
+    ev = scans.aggregate("warmup.first", "kv_events", kv_events, ["replica", "CAST(kind AS VARCHAR) AS kind"],
+                         {"first_ns": ("min(ts_ns)", "min")})
+    clears = (scans.aggregate("warmup.clears", "kv_events", kv_events.filter("kind = 'cleared'"),
+                              ["replica", "ts_ns"])
               .select(pl.col("replica").cast(pl.Utf8), start_ns="ts_ns", start_kind=pl.lit("cleared")))
     first_req = ledger.group_by("replica").agg(first_ns=pl.col("arrival_ns").min())
     first = (pl.concat([ev.select("replica", "first_ns"), first_req]).group_by("replica")
@@ -110,7 +112,7 @@ def _fleet(ledger: pl.DataFrame) -> tuple[float, float]:
 def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
            kv_events: duckdb.DuckDBPyRelation, scenario: str, steady_requests: int = 50,
            steady_fraction: float = 0.9, top_k: int = 64,
-           prewarm_window_ns: int = 60_000_000_000) -> pl.DataFrame:
+           prewarm_window_ns: int = 60_000_000_000, scans: Scans | None = None) -> pl.DataFrame:
     """One row per replica start of ``scenario``: time to steady, tokens lost, what a pre-warm buys.
 
     The frames and ``kv_events`` are the scenario's (its ledger, its outcomes, its rows).
@@ -119,7 +121,8 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
     first_request_ns (ns), steady_after_ns (ns after the start; NULL if never), fleet_hit_ratio
     (H), warmup_requests, warmup_recomputed_tokens, prewarm_blocks, prewarm_prefixes,
     prewarm_bytes, concurrent_starts (N), prewarm_bandwidth_bytes_per_s (N·W/Δt), saved_tokens,
-    saved_ms. Sorted by replica, start.
+    saved_ms. Sorted by replica, start. ``scans``: continues the events' first times and clears
+    from the previous run's (analyzers/scans.py).
     """
     if steady_requests < 1 or top_k < 0 or prewarm_window_ns <= 0:
         raise ValueError("steady_requests >= 1, top_k >= 0 and prewarm_window_ns > 0 are required")
@@ -132,7 +135,7 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
         return pl.DataFrame(schema=_SCHEMA)
     ratio, ms_per_token = _fleet(ledger)
     hot, prefixes = _prewarm(block_outcomes, top_k)
-    starts = _starts(ledger, kv_events).with_columns(
+    starts = _starts(ledger, kv_events, scans or Scans({"kv_events": (kv_events, "ts_ns")})).with_columns(
         next_ns=pl.col("start_ns").shift(-1).over("replica"))
     start_ns = starts["start_ns"].to_numpy()
     rows = []

@@ -63,6 +63,7 @@ def test_five_increments_each_equal_a_full_analysis(source: Path, tmp_path: Path
             (why,) = [reason for scenario, _, reason in result.modes if scenario == "rr2"]
             assert "ledger continued from its checkpoint" in why, why
             assert "reuse continued from its checkpoint" in why, why
+            assert "lake aggregates continued from" in why, why
     assert compared == sorted(compared) and compared[0] < compared[-1]  # the lake, and the DB, grew
     assert _modes(analyze_lake(lake, db)) == {"conv": "carried", "rr2": "carried"}
     assert_same_db(db, full)

@@ -46,6 +46,25 @@ def test_rows_columns_and_arrow_land_with_nulls_for_missing_columns(tmp_path: Pa
                     (7, "cleared", None, "b", "s1"), (8, "stored", None, None, "s1")]
 
 
+def test_a_segment_written_before_a_column_existed_reads_it_as_null(tmp_path: Path) -> None:
+    """Segments of one schema are read by position (one footer per bind); a segment without a
+    column (written before the schema had it) makes the view match columns by name, NULL there."""
+    from kvlens.lake import _view_sql
+
+    for n in (1, 2):
+        with SegmentWriter(tmp_path, "kv_events", scenario="s1") as w:
+            w.append_rows([{"ts_ns": n, "kind": "stored", "replica": f"r{n}", "extra_key": f"salt{n}"}])
+    table = TABLES["kv_events"]
+    con = _views(tmp_path)
+    assert "union_by_name = false" in _view_sql(con, tmp_path, table)
+    old = segment_files(tmp_path, "kv_events")[0]
+    older = pq.read_table(old).drop_columns(["extra_key"])
+    pq.write_table(older, old.with_name("w-older.parquet"))
+    assert "union_by_name = true" in _view_sql(con, tmp_path, table)
+    rows = _views(tmp_path).execute("SELECT ts_ns, replica, extra_key FROM kv_events ORDER BY ALL").fetchall()
+    assert rows == [(1, "r1", "salt1"), (1, "r1", None), (2, "r2", "salt2")]  # NULLs sort last
+
+
 def test_unknown_column_is_refused(tmp_path: Path) -> None:
     w = SegmentWriter(tmp_path, "requests")
     with pytest.raises(ValueError, match="no column"):
