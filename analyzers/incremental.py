@@ -75,9 +75,9 @@ aggregates, whose scans then read only the rows from the checkpoint on (parquet 
 the older segments).
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``,
-``kvlens_flows``, ``kvlens_reuse`` and ``kvlens_scans``, the analyzers' own states), written in the same file as the
-results (kvlens/analysis_db.py builds it under a temporary name and renames it into place), so a
-kill during an analysis leaves the previous DB and its state together.
+``kvlens_flows``, ``kvlens_reuse`` and ``kvlens_scans``, the analyzers' own states), written in the
+same file as the results (kvlens/analysis_db.py builds it under a temporary name and renames it
+into place), so a kill during an analysis leaves the previous DB and its state together.
 """
 
 from __future__ import annotations
