@@ -65,14 +65,13 @@ Global, recomputed from stored rows: ``scenarios``, ``latency_tails`` (quantiles
 ``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured on the
 4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, the 6th of 6 increments (one
 in-process ``kvlens analyze`` of 1.34 s, the ledger, flows and reuse continued): the ledger 0.30 s,
-flows 0.19 s (its state keeps the latest store of every block and location: a later read may still
+flows 0.16 s (its state keeps the latest store of every block and location: a later read may still
 be matched to it, so it is as large as the blocks ever stored, 111k rows here), reuse 0.15 s (most
 of it the whole ``requests`` stream mrc and ttl_coverage read), isolation_findings 0.09 s, warmup
 0.06 s, tier_payoff 0.06 s, prefix_ranking 0.05 s, ttl_coverage 0.04 s, writing the DB 0.10 s;
-DuckDB's scans and binds are 0.44 s of it (a group-by over the 392k kv_events rows alone takes
-about 20 ms, and five analyses read them). The next step: per-analysis states for the mergeable
-aggregates, whose scans then read only the rows from the checkpoint on (parquet statistics prune
-the older segments).
+DuckDB's queries and binds are 0.38 s of it, mostly a cost per query (a scan opens every segment
+of its table: about 5 ms over the 6 segments of the 392k kv_events rows, whatever it reads), which
+the lake aggregates' states (analyzers/scans.py) save only on larger lakes.
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``,
 ``kvlens_flows``, ``kvlens_reuse`` and ``kvlens_scans``, the analyzers' own states), written in the
