@@ -335,14 +335,16 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation,
     return frame.rename({"arrival_ns": "ts_ns"})
 
 
-def _rows_at(stream: str, keys: np.ndarray, ts: np.ndarray, d: Distances, at: np.ndarray) -> pl.DataFrame:
-    """Rows of table `reuse` for the re-accesses ``at`` (indices into the stream)."""
+def _rows_at(stream: str, keys: np.ndarray, ts: pl.Series, d: Distances, at: np.ndarray) -> pl.DataFrame:
+    """Rows of table `reuse` for the re-accesses ``at`` (indices into the stream). ``ts``: Int64,
+    NULL for an event stamped without a time (it sorts last; its time and interval are NULL)."""
+    when = ts.cast(pl.Int64).gather(at)
     return pl.DataFrame({
         "block_hash": pl.Series(keys[at], dtype=pl.UInt64),
-        "ts_ns": ts[at],
+        "ts_ns": when,
         "distance_blocks": d.blocks[at],
         "distance_bytes": d.bytes[at],
-        "interval_ns": ts[at] - ts[d.prev[at]],
+        "interval_ns": when - ts.cast(pl.Int64).gather(d.prev[at]),
     }).select(pl.lit(stream, pl.String).alias("stream"), pl.all())  # typed even with no re-access
 
 
@@ -383,7 +385,7 @@ def _fill_tokens(counts: pl.DataFrame) -> int:
     return int(modes.select(pl.col("block_tokens").min()).item())
 
 
-def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray,
+def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.ndarray, ts: pl.Series,
              cut_ns: int | None) -> tuple[pl.DataFrame, pl.DataFrame | None]:
     """One stream's rows for accesses (``keys``, ``sizes``, ``ts``, in stream order) that follow
     ``prior`` (the stream's LRU stack before them: its keys in last-access order, with the size and
@@ -398,22 +400,24 @@ def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.
         assert prior is not None
         keys = np.concatenate([prior["block_hash"].to_numpy(), keys])
         sizes = np.concatenate([prior["size"].to_numpy(), sizes])
-        ts = np.concatenate([prior["ts_ns"].to_numpy().astype(ts.dtype), ts])
+        ts = pl.concat([prior["ts_ns"].cast(pl.Int64), ts.cast(pl.Int64)])
     d = reuse_distances(keys, sizes)
     rows = _rows_at(name, keys, ts, d, _reaccesses(d, m))
     if cut_ns is None:
         return rows, None
-    settled = m + int(np.searchsorted(ts[m:], cut_ns, side="left"))
-    return rows, _last_accesses(name, keys[:settled], sizes[:settled], ts[:settled])
+    # in stream order, so the accesses before the cut come first (unstamped ones sort last)
+    settled = m + int((ts.slice(m) < cut_ns).sum())
+    return rows, _last_accesses(name, keys[:settled], sizes[:settled], ts.slice(0, settled))
 
 
-def _last_accesses(name: str, keys: np.ndarray, sizes: np.ndarray, ts: np.ndarray) -> pl.DataFrame:
+def _last_accesses(name: str, keys: np.ndarray, sizes: np.ndarray, ts: pl.Series) -> pl.DataFrame:
     """stream, block_hash, size, ts_ns: each key once, at its last access, in the order of those."""
     _, first_in_reverse = np.unique(keys[::-1], return_index=True)
     last = np.sort(keys.shape[0] - 1 - first_in_reverse)
-    return pl.DataFrame({"stream": name, "block_hash": keys[last], "size": sizes[last].astype(np.int64),
-                         "ts_ns": ts[last].astype(np.int64)},
-                        schema_overrides={"block_hash": pl.UInt64, "stream": pl.String})
+    return pl.DataFrame({"block_hash": pl.Series(keys[last], dtype=pl.UInt64),
+                         "size": pl.Series(sizes[last], dtype=pl.Int64),
+                         "ts_ns": ts.cast(pl.Int64).gather(last)}).select(
+        pl.lit(name, pl.String).alias("stream"), pl.all())
 
 
 @dataclass(frozen=True)
@@ -556,7 +560,7 @@ def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, 
     stream first in the rows, then its group rows: those before ``start`` are the ones whose root
     is new since ``prior``)."""
     rs = acc.frame
-    keys, ts, d = rs["block_hash"].to_numpy(), rs["ts_ns"].to_numpy(), acc.distances
+    keys, ts, d = rs["block_hash"].to_numpy(), rs["ts_ns"], acc.distances
     base = _rows_at("requests", keys, ts, d, _reaccesses(d, start))
     roots = np.unique(rs.filter(pl.col("position") == 0)["block_hash"].to_numpy())
     group = [base.filter(pl.col("block_hash").is_in(pl.Series(roots).implode()))]
@@ -579,8 +583,8 @@ def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, 
             named.append((f"replica:{rep}/{med}", f))
     for name, f in named:
         sizes = f["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
-        rows, stack = _resumed(name, saved.pop(name, None), f["block_hash"].to_numpy(), sizes,
-                               f["ts_ns"].to_numpy(), cut_ns)
+        rows, stack = _resumed(name, saved.pop(name, None), f["block_hash"].to_numpy(), sizes, f["ts_ns"],
+                               cut_ns)
         parts.append(rows)
         if stack is not None:
             stacks.append(stack)

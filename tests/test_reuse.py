@@ -174,7 +174,7 @@ def test_event_stream_order_does_not_depend_on_row_order() -> None:
 
 
 def _grown(requests: list[tuple[int, str, list[int], bool]],
-           events: list[tuple[int, str, str, int, int | None]]) -> tuple[pl.DataFrame, ...]:
+           events: list[tuple[int | None, str, str, int, int | None]]) -> tuple[pl.DataFrame, ...]:
     """request_blocks, requests and kv_events of scenario ``s``: requests (arrival, replica, chain
     of block hashes, a partial tail) and stored events (ts, replica, medium, block, tokens)."""
     rb, req = [], []
@@ -210,7 +210,7 @@ def _runs(frames: tuple[pl.DataFrame, ...], lakes: list[int],
         if not blocks.filter("block_tokens = 16").aggregate("count(*)").fetchall()[0][0]:
             continue
         reqs = con.from_arrow(req.to_arrow())
-        events = con.from_arrow(ev.filter(pl.col("ts_ns") < end).to_arrow())
+        events = con.from_arrow(ev.filter(pl.col("ts_ns").is_null() | (pl.col("ts_ns") < end)).to_arrow())
         acc = access_stream(blocks, "s", 2, reqs)
         got = reuse_continued(kv_events=events, bytes_per_token=2, scenario="s", stream=acc, resume=state,
                               checkpoint_ns=end - lag)
@@ -237,15 +237,17 @@ _ORDER = list(REUSE.names)
 @given(requests=st.lists(st.tuples(st.integers(0, 40), st.sampled_from("ab"),
                                    st.lists(st.integers(1, 9), min_size=1, max_size=4), st.booleans()),
                          min_size=1, max_size=25),
-       events=st.lists(st.tuples(st.integers(0, 40), st.sampled_from("ab"), st.sampled_from(["gpu", "cpu"]),
+       events=st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 40)), st.sampled_from("ab"),
+                                 st.sampled_from(["gpu", "cpu"]),
                                  st.integers(1, 9), st.sampled_from([None, 8, 16, 16])), max_size=25),
        ends=st.lists(st.integers(1, 41), min_size=1, max_size=4, unique=True), lag=st.integers(0, 6))
-def test_continued_reuse_equals_reuse_of_the_whole_lake(requests: list[tuple[int, str, list[int], bool]],
-                                                        events: list[tuple[int, str, str, int, int | None]],
-                                                        ends: list[int], lag: int) -> None:
+def test_continued_reuse_equals_reuse_of_the_whole_lake(
+        requests: list[tuple[int, str, list[int], bool]],
+        events: list[tuple[int | None, str, str, int, int | None]], ends: list[int], lag: int) -> None:
     """A lake grown by random time slices, reuse continued from the state the previous run saved:
     after every run the table (the rows before the checkpoint kept, the rest new) is the table of
-    the whole lake, every stream (replicas, groups, fleet, replica/medium) row for row."""
+    the whole lake, every stream (replicas, groups, fleet, replica/medium) row for row. Events
+    stamped without a time are in the lake from the start and sort last."""
     for table, whole in _runs(_grown(requests, events), [*sorted(ends), 10**6], lag):
         assert table.sort(_ORDER).equals(whole.sort(_ORDER))
 
@@ -279,3 +281,16 @@ def test_a_continued_table_past_the_row_cap_is_computed_in_full(monkeypatch: pyt
                           resume=dataclasses.replace(state, kept_rows=4), checkpoint_ns=290)
     assert got.since is None and got.refused is not None and "would pass 5" in got.refused
     assert got.frame.filter(pl.col("stream") == "requests").height == 4  # capped: the requests stream only
+
+
+def test_an_event_without_a_time_sorts_last_with_no_interval() -> None:
+    """A stored event the engine did not stamp (ts_ns NULL) used to stop the whole analysis (a
+    float column among integer ones); it is the last access of its streams, and its re-access row
+    has no time and no interval."""
+    rb, req, ev = _grown([(100, "a", [1, 2], False)], [(10, "a", "gpu", 1, 16), (None, "a", "gpu", 1, 16),
+                                                        (30, "a", "gpu", 1, 16)])
+    con = duckdb.connect()
+    out = reuse(request_blocks=con.from_arrow(rb.to_arrow()), kv_events=con.from_arrow(ev.to_arrow()),
+                bytes_per_token=2, scenario="s", requests=con.from_arrow(req.to_arrow()))
+    fleet = out.filter(pl.col("stream") == "fleet").sort("ts_ns", nulls_last=True)
+    assert fleet.select("ts_ns", "distance_blocks", "interval_ns").rows() == [(30, 1, 20), (None, 1, None)]
