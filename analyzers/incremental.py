@@ -87,9 +87,10 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import duckdb
 import polars as pl
@@ -110,6 +111,7 @@ __all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_
            "drop_others", "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of",
            "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 # A new segment may hold rows this much older than the watermark and still count as new data
@@ -331,16 +333,26 @@ def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> bytes |
     return rows[0][0] if len(rows) == 1 else None
 
 
-def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
-    """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any."""
-    blob = _saved(con, LEDGER_TABLE, scenario)
+def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: Callable[[bytes], T],
+              what: str, instead: str) -> T | None:
+    """The state blob the previous analysis DB saved for ``scenario`` in ``table``, parsed; None
+    when there is none, or when it does not read (logged, naming ``what`` it is and what is done
+    ``instead``)."""
+    blob = _saved(con, table, scenario)
     if blob is None:
         return None
     try:
-        state = LedgerState.from_bytes(blob)
-    except (ValueError, KeyError, OSError) as e:
-        log.warning("scenario %s: the saved ledger state is unreadable (%s); replaying its ledger in full",
-                    scenario, e)
+        return parse(blob)
+    except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
+        log.warning("scenario %s: the saved %s state is unreadable (%s); %s", scenario, what, e, instead)
+        return None
+
+
+def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
+    """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any."""
+    state = _state_of(con, LEDGER_TABLE, scenario, LedgerState.from_bytes, "ledger",
+                      "replaying its ledger in full")
+    if state is None:
         return None
     previous = con.table(f"{PREVIOUS}.block_outcomes").filter(
         duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
@@ -362,28 +374,16 @@ def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerSta
 
 def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> FlowsState | None:
     """flows' state the previous analysis DB saved for ``scenario``, if any (and readable)."""
-    blob = _saved(con, FLOWS_TABLE, scenario)
-    if blob is None:
-        return None
-    try:
-        return FlowsState.from_bytes(blob)
-    except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
-        log.warning("scenario %s: the saved flows state is unreadable (%s); computing its flows in full",
-                    scenario, e)
-        return None
+    return _state_of(con, FLOWS_TABLE, scenario, FlowsState.from_bytes, "flows",
+                     "computing its flows in full")
 
 
 def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ReuseState | None:
     """reuse's state the previous analysis DB saved for ``scenario``, if any (and readable), with
     the count of its `reuse` rows before the state's checkpoint (they stay in the DB)."""
-    blob = _saved(con, REUSE_STATE_TABLE, scenario)
-    if blob is None:
-        return None
-    try:
-        state = ReuseState.from_bytes(blob)
-    except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
-        log.warning("scenario %s: the saved reuse state is unreadable (%s); computing reuse in full",
-                    scenario, e)
+    state = _state_of(con, REUSE_STATE_TABLE, scenario, ReuseState.from_bytes, "reuse",
+                      "computing reuse in full")
+    if state is None:
         return None
     ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ?",
                              [scenario, state.checkpoint_ns]).fetchall()
@@ -392,15 +392,8 @@ def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ReuseState
 
 def scans_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ScanState | None:
     """The lake aggregates' state the previous analysis DB saved for ``scenario``, if readable."""
-    blob = _saved(con, SCANS_TABLE, scenario)
-    if blob is None:
-        return None
-    try:
-        return ScanState.from_bytes(blob)
-    except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
-        log.warning("scenario %s: the saved lake aggregates are unreadable (%s); computing them in full",
-                    scenario, e)
-        return None
+    return _state_of(con, SCANS_TABLE, scenario, ScanState.from_bytes, "lake aggregates",
+                     "computing them in full")
 
 
 def detach_previous(con: duckdb.DuckDBPyConnection) -> None:

@@ -69,21 +69,26 @@ class Scans:
     checkpoint_ns: int | None = None
     refused: str | None = None
     _frames: dict[str, pl.DataFrame] = field(default_factory=dict)
+    _rows: dict[str, int] = field(default_factory=dict)  # per relation: rows before checkpoint_ns
 
     def __post_init__(self) -> None:
+        """One count per relation: its rows before the state's checkpoint (to check it) and before
+        the new one (for the next state)."""
         st = self.resume
-        if st is None:
-            return
-        if self.checkpoint_ns is not None and self.checkpoint_ns < st.checkpoint_ns:
+        if st is not None and self.checkpoint_ns is not None and self.checkpoint_ns < st.checkpoint_ns:
             self._refuse("the new checkpoint is before the state's")
+        marks = [t for t in (self.resume.checkpoint_ns if self.resume else None, self.checkpoint_ns)
+                 if t is not None]
+        if not marks:
             return
         for name, (rel, time_col) in self.relations.items():
-            ((before,),) = (rel.filter(f"{time_col} < {int(st.checkpoint_ns)}").aggregate("count(*)")
-                            .fetchall())
-            if before != st.rows.get(name):
-                self._refuse(f"{before:,} {name} rows before the checkpoint, the state counted "
-                             f"{st.rows.get(name)}")
-                return
+            (counts,) = rel.aggregate(", ".join(f"count(*) FILTER (WHERE {time_col} < {int(t)})"
+                                                for t in marks)).fetchall()
+            if self.checkpoint_ns is not None:
+                self._rows[name] = int(counts[-1])
+            if self.resume is not None and counts[0] != self.resume.rows.get(name):
+                self._refuse(f"{counts[0]:,} {name} rows before the checkpoint, the state counted "
+                             f"{self.resume.rows.get(name)}")
 
     def _refuse(self, why: str) -> None:
         self.refused, self.resume = why, None
@@ -97,7 +102,7 @@ class Scans:
         the distinct keys. Columns: the keys' names, then the values'. Row order is not defined."""
         values = dict(values or {})
         time_col = self.relations[source][1]
-        names = [k.rsplit(" AS ", 1)[-1].strip() for k in keys]
+        groups, names = _split(keys)
         prior = self.resume.frames.get(name) if self.resume is not None else None
         if self.resume is not None and prior is not None:  # (an aggregate the state lacks: in full)
             since = int(self.resume.checkpoint_ns)
@@ -106,7 +111,7 @@ class Scans:
                    else f"coalesce({time_col} < {int(self.checkpoint_ns)}, false)")
         exprs = [*keys, *(f"{sql} AS {alias}" for alias, (sql, _) in values.items()),
                  f"{settled} AS {_SETTLED}"]
-        part = rel.aggregate(", ".join(exprs), ", ".join([*keys_only(keys), settled])).pl()
+        part = rel.aggregate(", ".join(exprs), ", ".join([*groups, settled])).pl()
         whole = _merged([prior, part.drop(_SETTLED)], names, values)
         if self.checkpoint_ns is not None:
             self._frames[name] = _merged([prior, part.filter(pl.col(_SETTLED)).drop(_SETTLED)], names, values)
@@ -116,16 +121,13 @@ class Scans:
         """The state at ``checkpoint_ns`` (None without one)."""
         if self.checkpoint_ns is None:
             return None
-        rows = {}
-        for name, (rel, time_col) in self.relations.items():
-            ((n,),) = rel.filter(f"{time_col} < {int(self.checkpoint_ns)}").aggregate("count(*)").fetchall()
-            rows[name] = int(n)
-        return ScanState(self.checkpoint_ns, rows, dict(self._frames))
+        return ScanState(self.checkpoint_ns, dict(self._rows), dict(self._frames))
 
 
-def keys_only(keys: list[str]) -> list[str]:
-    """The grouping expressions of ``keys`` (each without its ``AS`` alias)."""
-    return [k.rsplit(" AS ", 1)[0].strip() for k in keys]
+def _split(keys: list[str]) -> tuple[list[str], list[str]]:
+    """(grouping expressions, column names) of ``keys``: a column, or ``expression AS name``."""
+    parts = [[p.strip() for p in k.rsplit(" AS ", 1)] for k in keys]
+    return [p[0] for p in parts], [p[-1] for p in parts]
 
 
 def _merged(parts: list[pl.DataFrame | None], names: list[str], values: Mapping[str, tuple[str, Merge]]
