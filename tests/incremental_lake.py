@@ -27,8 +27,9 @@ SCENARIOS_SQL = "SELECT DISTINCT scenario FROM requests ORDER BY 1"
 TIME_RANGE_SQL = "SELECT min(arrival_ns), max(arrival_ns) FROM requests"
 ROW_QUANTILES_SQL = """
 SELECT quantile_disc(t, ?::DOUBLE[]) FROM (
-    SELECT arrival_ns AS t FROM requests UNION ALL SELECT arrival_ns FROM request_blocks
-    UNION ALL SELECT ts_ns FROM kv_events UNION ALL SELECT ts_ns FROM transfers)
+    SELECT arrival_ns AS t, scenario FROM requests UNION ALL SELECT arrival_ns, scenario FROM request_blocks
+    UNION ALL SELECT ts_ns, scenario FROM kv_events UNION ALL SELECT ts_ns, scenario FROM transfers)
+WHERE len(?::VARCHAR[]) = 0 OR list_contains(?::VARCHAR[], scenario)
 """
 # Columns that differ between two analyses of the same data by design: the wall clock of the analysis.
 _UNSTABLE = {("scenarios", "analyzed_ns")}
@@ -69,14 +70,16 @@ def time_bounds(lake: Path, parts: int) -> list[int]:
     return [lo + round(step * i) for i in range(parts)] + [2**62]
 
 
-def row_bounds(lake: Path, parts: int) -> list[int]:
-    """``parts + 1`` cut times splitting the lake's timed rows (request arrivals and KV events)
-    into ``parts`` slices of about as many rows each; the last is past every row of the lake."""
+def row_bounds(lake: Path, parts: int, scenarios: Sequence[str] = ()) -> list[int]:
+    """``parts + 1`` cut times splitting the timed rows (request arrivals and KV events) of
+    ``scenarios`` (default: every scenario of the lake) into ``parts`` slices of about as many rows
+    each; the last is past every row of the lake. (Cut the scenarios that will be appended: another
+    scenario's rows, spread otherwise in time, would make their slices unequal.)"""
     con = duckdb.connect()
     try:
         open_lake(con, lake)
         cuts = [i / parts for i in range(1, parts)]
-        ((qs,),) = con.execute(ROW_QUANTILES_SQL, [cuts]).fetchall()
+        ((qs,),) = con.execute(ROW_QUANTILES_SQL, [cuts, list(scenarios), list(scenarios)]).fetchall()
     finally:
         con.close()
     return [-(2**62)] + [int(q) for q in qs] + [2**62]

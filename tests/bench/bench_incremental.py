@@ -2,7 +2,9 @@
 
 The lake: the first ``REQUESTS`` requests of the sample trace served by tests/incremental_lake.py's
 2-replica fleet with a pool (scenario ``rr2``: requests, blocks, KV events, transfers), cut by
-time into 6 slices of about as many rows each, appended one at a time. After each increment ``kvlens analyze``
+time into 6 slices of about as many ``rr2`` rows each, appended one at a time. (The source lake
+also holds the trace itself, scenario ``conv``, whose rows are spread otherwise in time; slices
+equal in all the lake's rows held 92k to 118k ``rr2`` rows.) After each increment ``kvlens analyze``
 (the default, incremental) runs in a child process of its own, which reports the seconds
 ``analyze_lake`` took and its peak RSS (VmHWM of /proc/self/status: ``getrusage``'s ru_maxrss
 would report the benchmark's own, larger peak, which Linux carries into a child across exec);
@@ -33,6 +35,7 @@ REQUESTS = 4000
 REPEATS = 3
 INCREMENTS = 6
 TARGET_RATIO = 1.5
+SCENARIO = "rr2"  # the only scenario appended (and analyzed): the slices are equal in its rows
 _CHILD = """
 import json, sys, time
 from kvlens.analyzers.analyze import analyze_lake
@@ -81,13 +84,13 @@ def main() -> bool:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         source = source_lake(root / "src", requests=REQUESTS)
-        bounds = row_bounds(source, INCREMENTS)
+        bounds = row_bounds(source, INCREMENTS, [SCENARIO])
         lake, db = root / "lake", root / "incr.duckdb"
         _analyze(source, root / "warm.duckdb", "full")
         runs = []
         for k in range(INCREMENTS):
             rows = cut(source, lake, None if k == 0 else bounds[k], bounds[k + 1], writer=f"inc{k}",
-                       scenarios=["rr2"])
+                       scenarios=[SCENARIO])
             run = _best(lake, db, "incremental")
             runs.append(run)
             print(f"   increment {k + 1}: {rows:>8,} rows appended; analyze {run.seconds:.2f} s "
