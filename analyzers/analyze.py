@@ -87,7 +87,13 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     segments = incremental.snapshot(lake)
     previous = Path(db).resolve()
     code = incremental.code_digest()
-    base = None if full else incremental.base_of(previous, code)
+    candidate = None if full else incremental.base_file(previous)
+    base: Path | None = None  # set when the copy of ``candidate`` fits (``accepted``)
+
+    def accepted(con: duckdb.DuckDBPyConnection) -> bool:
+        nonlocal base
+        base = candidate if incremental.base_fits(con, code) else None
+        return base is not None
 
     def compute(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
         present = [r[0] for r in con.execute(SCENARIOS_SQL).fetchall()]
@@ -98,6 +104,9 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                               f"present are {', '.join(present) or 'none'}")
         state = incremental.previous_state(con, previous) if not full else "--full given"
         no_state, before = (state, {}) if isinstance(state, str) else (None, state)
+        # One transaction (from here no statement is expected to fail): a statement that commits
+        # on its own writes its rows to the write-ahead log, and the CHECKPOINT writes them again.
+        con.execute("BEGIN TRANSACTION")
         wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
         with wrapped as each:
             for scenario in each:
@@ -143,8 +152,9 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
             incremental.drop_others(con, done)
         if no_state is None:
             incremental.detach_previous(con)
+        con.execute("COMMIT")
 
-    path = build_analysis_db(db, lake, compute, base=base)
+    path = build_analysis_db(db, lake, compute, base=candidate, accept=accepted)
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
 
 

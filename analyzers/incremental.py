@@ -81,7 +81,6 @@ into place), so a kill during an analysis leaves the previous DB and its state t
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -106,7 +105,8 @@ from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_of", "carry_scenario",
+__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_file", "base_fits", "base_of",
+           "carry_scenario",
            "clear_scenario", "code_digest", "decide", "delete_requests", "delete_since", "detach_previous",
            "drop_others", "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of",
            "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
@@ -311,10 +311,17 @@ def carry_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> int:
     write_ledger(con, scenario, None)
     # (a previous DB without ledger states: the next appended analysis replays the ledger in full)
     for saved in _SAVED_STATES:
-        with contextlib.suppress(duckdb.Error):
+        if _previous_has(con, saved):
             con.execute(f"INSERT INTO {saved} SELECT * FROM {PREVIOUS}.{saved} WHERE scenario = ?",
                         [scenario])
     return copied
+
+
+def _previous_has(con: duckdb.DuckDBPyConnection, table: str) -> bool:
+    """Whether the attached previous DB has ``table`` (asked, not tried: a failed statement would
+    abort the analysis' transaction)."""
+    return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = ? AND table_name = ?",
+                            [PREVIOUS, table]).fetchall()[0][0])
 
 
 def horizon(inputs: Inputs) -> int | None:
@@ -326,10 +333,9 @@ def horizon(inputs: Inputs) -> int | None:
 
 def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> bytes | None:
     """The one state blob the previous analysis DB saved for ``scenario`` in ``table``, if any."""
-    try:
-        rows = con.execute(f"SELECT state FROM {PREVIOUS}.{table} WHERE scenario = ?", [scenario]).fetchall()
-    except duckdb.Error:
+    if not _previous_has(con, table):
         return None
+    rows = con.execute(f"SELECT state FROM {PREVIOUS}.{table} WHERE scenario = ?", [scenario]).fetchall()
     return rows[0][0] if len(rows) == 1 else None
 
 
@@ -424,35 +430,55 @@ def _scoped_tables() -> list[str]:
     return [t.name for t in ANALYSIS_TABLES] + [STATE_TABLE, *_SAVED_STATES]
 
 
-def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
-    """``db`` when it can be the copy an incremental analysis starts from: an analysis DB of this
-    schema version with every table and the incremental state of a scenario analyzed by this code
-    (``code_digest``), no write-ahead log beside it, and no more free blocks than used ones; else
-    None: the analysis then builds a new file (after a code change every scenario is rebuilt; a
-    new file holds no deleted rows, so the DB stays within about twice what it holds)."""
+def base_file(db: str | os.PathLike[str]) -> Path | None:
+    """``db`` when it may be the copy an incremental analysis starts from: a DuckDB file with no
+    write-ahead log beside it (``base_fits`` then checks what it holds, on the copy)."""
     path = Path(db).resolve()
     if not path.is_file() or path.with_name(path.name + ".wal").exists():
         return None
     try:
         check_duckdb_file(path)
-        con = duckdb.connect(str(path), read_only=True)
-    except (ConfigError, duckdb.Error):
+    except ConfigError:
         return None
+    return path
+
+
+def base_fits(con: duckdb.DuckDBPyConnection, code: str) -> bool:
+    """Whether the analysis DB open as ``con``'s main database can be the copy an incremental
+    analysis starts from: of this schema version, with every table and the incremental state of a
+    scenario analyzed by this code (``code_digest``), and no more free blocks than used ones. When
+    it cannot, the analysis builds a new file (after a code change every scenario is rebuilt; a new
+    file holds no deleted rows, so the DB stays within about twice what it holds)."""
     try:
         version = con.execute("SELECT value FROM kvlens_meta WHERE key = 'schema_version'").fetchall()
-        names = {r[0] for r in con.execute("SELECT table_name FROM information_schema.tables").fetchall()}
+        names = {r[0] for r in con.execute(
+            "SELECT table_name FROM duckdb_tables() WHERE database_name = current_database()").fetchall()}
         configs = [r[0] for r in con.execute(f"SELECT config FROM {STATE_TABLE}").fetchall()]
         ((used, free),) = con.execute(_BLOCKS_SQL).fetchall()
     except duckdb.Error:
+        return False
+    if version != [(str(SCHEMA_VERSION),)] or not set(_scoped_tables()) <= names:
+        return False
+    if free > used:  # deleted rows' blocks are reused, never returned: a new file compacts it
+        log.info("analysis DB: %d of its %d blocks are free; writing a new file", free, used + free)
+        return False
+    return any(json.loads(c).get("code") == code for c in configs)
+
+
+def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
+    """``db`` when it can be the copy an incremental analysis starts from (``base_file`` and
+    ``base_fits``, read here in place); else None."""
+    path = base_file(db)
+    if path is None:
         return None
+    try:
+        con = duckdb.connect(str(path), read_only=True)
+    except duckdb.Error:
+        return None
+    try:
+        return path if base_fits(con, code) else None
     finally:
         con.close()
-    if version != [(str(SCHEMA_VERSION),)] or not set(_scoped_tables()) <= names:
-        return None
-    if free > used:  # deleted rows' blocks are reused, never returned: a new file compacts it
-        log.info("analysis DB %s: %d of its %d blocks are free; writing a new file", path, free, used + free)
-        return None
-    return path if any(json.loads(c).get("code") == code for c in configs) else None
 
 
 def clear_scenario(con: duckdb.DuckDBPyConnection, scenario: str, *, tables: Sequence[str] | None = None,
@@ -488,6 +514,13 @@ def delete_requests(con: duckdb.DuckDBPyConnection, table: str, scenario: str,
 
 
 def drop_others(con: duckdb.DuckDBPyConnection, scenarios: Sequence[str]) -> None:
-    """Delete every scenario's rows but those of ``scenarios`` (the ones analyzed or carried now)."""
+    """Delete every scenario's rows but those of ``scenarios`` (the ones analyzed or carried now).
+
+    A DB this module writes holds rows only of scenarios with a state row (``write_state``; the
+    others' went with theirs): when no other scenario has one, there is nothing to delete."""
+    ((others,),) = con.execute(f"SELECT count(*) FROM {STATE_TABLE} WHERE NOT list_contains(?::VARCHAR[], "
+                               "scenario)", [list(scenarios)]).fetchall()
+    if not others:
+        return
     for name in _scoped_tables():
         con.execute(f"DELETE FROM {name} WHERE NOT list_contains(?::VARCHAR[], scenario)", [list(scenarios)])

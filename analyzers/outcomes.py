@@ -391,7 +391,9 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
                              st.loc_grp, st.windows, st.arrays, mark[1] if mark else -1)
     new = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
     replaced = req["request_id"]
-    kept = (resume.previous.order("rowid").select(*new.columns).pl()
+    # A scan returns a table's rows in the order they were written (DuckDB's default
+    # preserve_insertion_order, which build_analysis_db's connection keeps): no sort by rowid.
+    kept = (resume.previous.select(*new.columns).pl()
             .filter(~pl.col("request_id").is_in(replaced.implode())))
     frame = pl.concat([kept.cast(dict(new.schema)), new])
     state = _next_state(st, mark, ev, specs, req, full, spaces, saved, requests, transfers) if mark else None

@@ -116,13 +116,16 @@ def remove_dead_leftovers(db: str | os.PathLike[str]) -> int:
 
 
 def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute, *,
-                      base: str | os.PathLike[str] | None = None) -> Path:
+                      base: str | os.PathLike[str] | None = None,
+                      accept: Callable[[duckdb.DuckDBPyConnection], bool] | None = None) -> Path:
     """Build the analysis DB at ``db`` from ``lake``; ``compute`` yields (table, frame) pairs.
 
     It is written under a hidden name that carries this process's id, beside the target, and
     renamed over it; leftovers of killed builds are removed first (``remove_dead_leftovers``).
     ``base``: an analysis DB of this schema version to start from, copied (``compute`` then
-    deletes what it replaces): unchanged rows are not written again.
+    deletes what it replaces): unchanged rows are not written again. ``accept``: asked, with the
+    copy open, whether it can be the start (one connection instead of a second to check the base
+    first); when it says no, the DB is built in a new file.
     """
     final = _target(db)
     remove_dead_leftovers(final)
@@ -131,7 +134,15 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
         if base is not None:
             shutil.copyfile(base, tmp)
         con = duckdb.connect(str(tmp))
+        if base is not None and accept is not None and not accept(con):
+            con.close()
+            for copied in (tmp, tmp.with_name(tmp.name + ".wal")):
+                copied.unlink(missing_ok=True)
+            base = None
+            con = duckdb.connect(str(tmp))
         try:
+            # The ledger reads its previous rows back in the order they were written (the default).
+            con.execute("SET preserve_insertion_order = true")
             create_enum_types(con)
             open_lake(con, lake)
             if base is None:
