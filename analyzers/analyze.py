@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -108,7 +108,8 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
         # on its own writes its rows to the write-ahead log, and the CHECKPOINT writes them again.
         con.execute("BEGIN TRANSACTION")
         wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
-        with wrapped as each:
+        packer = incremental.Packer()
+        with wrapped as each, closing(packer):
             for scenario in each:
                 geometry, source = scenario_model(con, scenario, model)
                 config = incremental.config_of(geometry, source, cache_tokens=cache_tokens, join=join,
@@ -140,10 +141,13 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     if base is not None:
                         incremental.clear_scenario(con, scenario, keep=("block_outcomes", "reuse"))
                         pairs = _replacing(con, scenario, pairs, plan)
-                    yield from pairs
+                    for pair in pairs:  # each state is packed from when it is ready, beside the analyses
+                        packer.offer(plan.result.state if plan.result else None, plan.flows_state,
+                                     plan.reuse_state, plan.scans_state)
+                        yield pair
                     decision = _ledger_said(scenario, decision, plan)
                     incremental.write_ledger(con, scenario, plan.result.state if plan.result else None,
-                                             plan.flows_state, plan.reuse_state, plan.scans_state)
+                                             plan.flows_state, plan.reuse_state, plan.scans_state, packer)
                 incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))

@@ -87,9 +87,10 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import duckdb
 import polars as pl
@@ -105,8 +106,8 @@ from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "base_file", "base_fits", "base_of",
-           "carry_scenario",
+__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Packer", "Segment", "base_file", "base_fits",
+           "base_of", "carry_scenario",
            "clear_scenario", "code_digest", "decide", "delete_requests", "delete_since", "detach_previous",
            "drop_others", "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of",
            "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
@@ -365,17 +366,46 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
     return Resume(state, previous)
 
 
+class _Saved(Protocol):
+    @property
+    def checkpoint_ns(self) -> int: ...
+
+    def to_bytes(self) -> bytes: ...
+
+
+class Packer:
+    """The analyzers' states packed (``to_bytes``: compression, mostly outside the GIL) on one
+    worker thread from the moment each is ready, while the analyses after it run; ``write_ledger``
+    takes the bytes. ``close`` waits for the worker (a state not yet packed is dropped)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlens-pack")
+        self._jobs: dict[int, tuple[_Saved, Future[bytes]]] = {}
+
+    def offer(self, *states: _Saved | None) -> None:
+        for state in states:
+            if state is not None and id(state) not in self._jobs:
+                self._jobs[id(state)] = (state, self._pool.submit(state.to_bytes))
+
+    def bytes_of(self, state: _Saved) -> bytes:
+        job = self._jobs.get(id(state))
+        return job[1].result() if job is not None and job[0] is state else state.to_bytes()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerState | None,
                  flows: FlowsState | None = None, reuse: ReuseState | None = None,
-                 scans: ScanState | None = None) -> None:
+                 scans: ScanState | None = None, packer: Packer | None = None) -> None:
     """Record the scenario's ledger state, and flows', reuse's and the lake aggregates' beside it,
-    in the DB being built (``carry_scenario`` copies them)."""
+    in the DB being built (``carry_scenario`` copies them); ``packer``: where they were packed."""
     for table, saved in ((LEDGER_TABLE, state), (FLOWS_TABLE, flows), (REUSE_STATE_TABLE, reuse),
                          (SCANS_TABLE, scans)):
         con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({_LEDGER_COLUMNS})")
         if saved is not None:
-            con.execute(f"INSERT INTO {table} VALUES (?, ?, ?)",
-                        [scenario, saved.checkpoint_ns, saved.to_bytes()])
+            data = packer.bytes_of(saved) if packer is not None else saved.to_bytes()
+            con.execute(f"INSERT INTO {table} VALUES (?, ?, ?)", [scenario, saved.checkpoint_ns, data])
 
 
 def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> FlowsState | None:
