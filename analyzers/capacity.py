@@ -99,13 +99,17 @@ def _residence(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int,
     # Byte-nanoseconds overflow int64 with real KV sizes (a 512-token Llama-3.1-70B block held
     # 60 s is 1.0e19): the products are summed in float64 (53-bit mantissa, relative error 1e-16).
     mean = float(np.sum(sizes.astype(np.float64) * (stop - ts).astype(np.float64))) / span
-    # Peak: sweep +size at each access, -size at each stop; stops sort before starts at a tie
-    # only when the next access renews the same block (its stop equals that access's time).
-    times = np.concatenate([stop, ts])
-    delta = np.concatenate([-sizes, sizes])
-    order = np.lexsort((delta, times))
-    peak = float(np.cumsum(delta[order]).max()) if len(order) else 0.0
-    return mean, peak
+    # Peak: the bytes held just after an access are those accessed up to it less those stopped
+    # at or before its time (at a tie a stop comes first: the next access that renews a block
+    # stops its previous residency at that access's time). The maximum is reached just after
+    # some access, so the accesses (in time order) are the only places to look.
+    if not len(ts):
+        return mean, 0.0
+    starts = np.argsort(ts, kind="stable")
+    ends = np.sort(stop)
+    stop_sizes = np.concatenate([[0], np.cumsum(sizes[np.argsort(stop, kind="stable")])])
+    held = np.cumsum(sizes[starts]) - stop_sizes[np.searchsorted(ends, ts[starts], side="right")]
+    return mean, float(held.max())
 
 
 def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
