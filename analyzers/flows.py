@@ -127,7 +127,8 @@ def _events(kv_events: duckdb.DuckDBPyRelation, bytes_per_token: int, block_toke
 def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.DataFrame:
     """Every store with how its residency ended ('removed', 'cleared', 'restored' or None), when
     (``end_ts``), and whether it was read before (``read``: the carried stores' flag). ``carried``:
-    a state's open stores, before every event of ``ev``; one whose end was known keeps it."""
+    a state's open stores, before every event of ``ev``; one whose end was known keeps it. In no
+    particular order (every reader sorts or sums)."""
     key = ["loc", "tier", "block_hash"]
     blocks = (ev.filter(pl.col("kind").is_in(["stored", "removed"]) & pl.col("block_hash").is_not_null())
               .select(*_STORE_COLS, "kind", read=pl.lit(False), known=pl.lit(None, pl.Utf8),
@@ -166,7 +167,7 @@ def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.Da
                         end_ts=pl.when(known).then(pl.col("known_ts")).otherwise(end_ts))
     if closed is None or not closed.height:
         return out
-    return pl.concat([out, closed.select(out.columns)], how="vertical_relaxed").sort("n")
+    return pl.concat([out, closed.select(out.columns)], how="vertical_relaxed")
 
 
 def _loads(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:

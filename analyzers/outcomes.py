@@ -325,13 +325,17 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     # rounds half to even: one nanosecond of slack), split exactly once its look-up is computed.
     recent = requests.filter(f"{_LOOKUP_SQL} >= {t_c - 1}")
     ids = recent.select("request_id")
-    ((rows, distinct),) = recent.aggregate("count(*), count(DISTINCT request_id)").fetchall()
-    ((everywhere,),) = _only(requests, ids).aggregate("count(*)").fetchall()
+    # One pass: the recent rows, their distinct ids, every row of an id with a recent row, and the
+    # rows without an arrival time.
+    is_recent = f"{_LOOKUP_SQL} >= {t_c - 1}"
+    ((rows, distinct, everywhere, unknown),) = requests.select(
+        f"request_id, arrival_ns, {is_recent} AS recent, "
+        f"bool_or({is_recent}) OVER (PARTITION BY request_id) AS of_recent"
+    ).aggregate("count(*) FILTER (WHERE recent), count(DISTINCT request_id) FILTER (WHERE recent), "
+                "count(*) FILTER (WHERE of_recent), count(*) FILTER (WHERE arrival_ns IS NULL)").fetchall()
     if everywhere != rows or distinct != rows:
         raise _CannotContinue(f"{everywhere - distinct} request row(s) repeat the id of a request after the "
                               "checkpoint")
-    ((unknown,),) = (requests.filter(duckdb.ColumnExpression("arrival_ns").isnull())
-                     .aggregate("count(*)").fetchall())
     if unknown:
         raise _CannotContinue(f"{unknown} request(s) have no arrival time")
     if _settled_transfers(requests, transfers, t_c) != st.settled_transfers:
