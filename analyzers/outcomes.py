@@ -309,7 +309,8 @@ def ledger_outcomes(
             prefix_locations=0, namespaces=(), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
             prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0,
             claimed=np.zeros(0, np.int64))
-        state = _next_state(start, mark, ev, specs, req, full, spaces, saved, requests, transfers)
+        state = _next_state(start, mark, ev, specs, req, full, spaces, saved,
+                            _settled_transfers(requests, transfers, mark[0])[0])
     return Ledger(frame, state, refused, req.height, (partitions.count or 0) if partitions else 0)
 
 
@@ -338,8 +339,6 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
                               "checkpoint")
     if unknown:
         raise _CannotContinue(f"{unknown} request(s) have no arrival time")
-    if _settled_transfers(requests, transfers, t_c) != st.settled_transfers:
-        raise _CannotContinue("a request settled at the checkpoint has a load stamped after it")
     req, full = _needed(recent, _only(request_blocks, ids), _only(transfers, ids))
     req = req.filter(pl.col("lookup_ns") >= t_c)
     full = full.join(req.select("request_id"), on="request_id", how="semi")
@@ -391,6 +390,10 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     if horizon_ns is not None:
         mark = checkpoint(ev["ev_ts"], st.events, t_c, horizon_ns, req["lookup_ns"].to_numpy(),
                           req["cut"].to_numpy(), req["own"].to_numpy())
+    # the loads the state counted, and those the next state counts, in one query
+    loads = _settled_transfers(requests, transfers, t_c, *([mark[0]] if mark else []))
+    if loads[0] != st.settled_transfers:
+        raise _CannotContinue("a request settled at the checkpoint has a load stamped after it")
     outputs, saved = _replay(ev, places, req, full, req_loc, spaces.encode(full["namespace"], null=-1), locs,
                              st.loc_grp, st.windows, st.arrays, mark[1] if mark else -1)
     new = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
@@ -400,7 +403,7 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     kept = (resume.previous.select(*new.columns).pl()
             .filter(~pl.col("request_id").is_in(replaced.implode())))
     frame = pl.concat([kept.cast(dict(new.schema)), new])
-    state = _next_state(st, mark, ev, specs, req, full, spaces, saved, requests, transfers) if mark else None
+    state = _next_state(st, mark, ev, specs, req, full, spaces, saved, loads[-1]) if mark else None
     return Ledger(frame, state, None, req.height, appended=new, replaced=replaced)
 
 
@@ -418,10 +421,11 @@ def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataF
 
 def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray], specs: pl.DataFrame,
                 req: pl.DataFrame, full: pl.DataFrame, spaces: _Codes, arrays: tuple[np.ndarray, ...],
-                requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation) -> LedgerState:
+                settled_transfers: int) -> LedgerState:
     """The state at checkpoint ``mark`` (time, stream place), from ``st`` (the one the replay started
     at) and what the replay read after it: its events (``ev``, ``specs``), requests (``req``, with
-    admission's ``own`` run) and blocks (``full``)."""
+    admission's ``own`` run) and blocks (``full``); ``settled_transfers``: ``_settled_transfers``
+    at ``mark``."""
     local = mark[1] - st.events  # events of ``ev`` before the new checkpoint
     prefix = _specs_of(st.prefix_specs, specs)
     settled = req.filter((pl.col("lookup_ns") < mark[0]) & (pl.col("own") >= 0))["own"].to_numpy()
@@ -430,7 +434,7 @@ def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray
         prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),
         prefix_specs=json.dumps(_firsts(pl.concat([prefix, specs.head(local)])).rows()),
         needed=np.union1d(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
-        settled_transfers=_settled_transfers(requests, transfers, mark[0]),
+        settled_transfers=settled_transfers,
         claimed=np.union1d(st.claimed, settled).astype(np.int64))
 
 
@@ -456,16 +460,18 @@ def _hashes(full: pl.DataFrame) -> np.ndarray:
 
 
 def _settled_transfers(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation,
-                       t_c: int) -> int:
-    """Loads (``_needed``'s: a block the serving replica received) stamped from ``t_c`` on for
-    requests that may look up before it (with the slack of ``_LOOKUP_SQL``'s rounding: a superset
-    of the settled ones)."""
-    settled = requests.filter(f"{_LOOKUP_SQL} < {t_c + 1}").select("request_id", "replica").set_alias("r")
-    loads = (transfers.filter(duckdb.ColumnExpression("ts_ns") >= t_c).set_alias("t")
+                       *times: int) -> list[int]:
+    """Per time ``t`` of ``times``: the loads (``_needed``'s: a block the serving replica received)
+    stamped from ``t`` on for requests that may look up before it (with the slack of
+    ``_LOOKUP_SQL``'s rounding: a superset of the settled ones); one query for them all."""
+    settled = (requests.filter(f"{_LOOKUP_SQL} < {max(times) + 1}")
+               .project(f"request_id, replica, {_LOOKUP_SQL} AS lookup").set_alias("r"))
+    loads = (transfers.filter(duckdb.ColumnExpression("ts_ns") >= min(times)).set_alias("t")
              .join(settled, "t.request_id = r.request_id AND t.block_hash IS NOT NULL "
                             "AND (t.replica IS NULL OR t.replica = r.replica)"))
-    ((n,),) = loads.aggregate("count(*)").fetchall()
-    return int(n)
+    (counts,) = loads.aggregate(", ".join(f"count(*) FILTER (WHERE r.lookup < {t + 1} AND t.ts_ns >= {t})"
+                                          for t in times)).fetchall()
+    return [int(n) for n in counts]
 
 
 def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, full: pl.DataFrame,
