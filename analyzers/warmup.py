@@ -69,10 +69,12 @@ def _prewarm(outcomes: pl.DataFrame, top_k: int) -> tuple[pl.DataFrame, int]:
               .agg(needs=pl.len(), position=pl.col("position").min(), bytes=pl.col("bytes").max())
               .filter(pl.col("needs") >= 2)
               .sort(["needs", "position", "block_hash"], descending=[True, False, False]).head(top_k))
-    chosen = counts["block_hash"].implode()
-    parents = (outcomes.sort("request_id", "position")
-               .with_columns(parent=pl.col("block_hash").shift(1).over("request_id"))
-               .filter(pl.col("block_hash").is_in(chosen) & pl.col("parent").is_in(chosen)))
+    # A chosen block's parent is the block one position before it in a request that needs it; only
+    # the rows of chosen blocks can be either side of a chosen pair (no sort of every row).
+    rows = (outcomes.filter(pl.col("block_hash").is_in(counts["block_hash"].implode()))
+            .select("request_id", "position", "block_hash"))
+    parents = rows.join(rows.select("request_id", position=pl.col("position") + 1, parent="block_hash"),
+                        on=["request_id", "position"])
     return counts.select("block_hash", "bytes"), counts.height - parents["parent"].n_unique()
 
 
