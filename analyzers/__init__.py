@@ -32,6 +32,7 @@ from kvlens.analyzers.reconcile import reconcile
 from kvlens.analyzers.request_ledger import request_ledger
 from kvlens.analyzers.reuse import ReuseState, access_stream, reuse, reuse_continued
 from kvlens.analyzers.scans import Scans, ScanState
+from kvlens.analyzers.state_blob import Pending, ready
 from kvlens.analyzers.tails import latency_tails
 from kvlens.analyzers.tiers import tier_payoff, tier_reconciliation
 from kvlens.analyzers.warmup import warmup
@@ -58,13 +59,14 @@ class LedgerPlan:
     resume: Resume | None = None
     result: Ledger | None = None
     partitions: Partitions | None = None  # replay in block-hash partitions (analyzers/partitions.py)
-    flows_resume: FlowsState | None = None  # flows' state at the checkpoint ``resume`` is at
+    # The saved states may still be being read on a worker thread (``ready`` waits for them).
+    flows_resume: Pending[FlowsState] = None  # flows' state at the checkpoint ``resume`` is at
     flows_state: FlowsState | None = None  # set: flows' state at the ledger's new checkpoint
-    reuse_resume: ReuseState | None = None  # reuse's state, when its rows before it are kept
+    reuse_resume: Pending[ReuseState] = None  # reuse's state, when its rows before it are kept
     reuse_state: ReuseState | None = None  # set: reuse's state at ``horizon_ns``
     reuse_since: int | None = None  # set when reuse continued: its rows from this time on are new
     reuse_refused: str | None = None  # set when reuse was given a state and could not continue
-    scans_resume: ScanState | None = None  # the lake aggregates' state (analyzers/scans.py)
+    scans_resume: Pending[ScanState] = None  # the lake aggregates' state (analyzers/scans.py)
     scans_state: ScanState | None = None  # set: their state at ``horizon_ns``
     scans_said: str | None = None  # set when given a state: whether they continued, and why not
 
@@ -122,14 +124,15 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "request_ledger", per_request
     yield "hygiene", hygiene(request_blocks=blocks, scenario=scenario, bytes_per_token=per_token)
     scans = Scans({"kv_events": (events, "ts_ns"), "request_blocks": (blocks, "arrival_ns")},
-                  plan.scans_resume, plan.horizon_ns)
+                  scans_resume := ready(plan.scans_resume), plan.horizon_ns)
     yield "isolation_findings", isolation_findings(
         requests=requests, request_blocks=blocks, kv_events=events, block_outcomes=outcomes,
         scenario=scenario, bytes_per_token=per_token, scans=scans)
     result = plan.result
-    continued = (plan.flows_resume if result.appended is not None and plan.resume is not None
-                 and plan.flows_resume is not None
-                 and plan.flows_resume.checkpoint_ns == plan.resume.state.checkpoint_ns else None)
+    flows_resume = ready(plan.flows_resume)
+    continued = (flows_resume if result.appended is not None and plan.resume is not None
+                 and flows_resume is not None
+                 and flows_resume.checkpoint_ns == plan.resume.state.checkpoint_ns else None)
     byte_flows, plan.flows_state = flows_continued(
         block_outcomes=outcomes, request_ledger=per_request, kv_events=events, transfers=transfers,
         scenario=scenario, bytes_per_token=per_token, resume=continued,
@@ -153,13 +156,13 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
                                      bytes_per_token=per_token, group_bytes_per_token=group_rates,
                                      scans=scans)
     plan.scans_state = scans.state()
-    if plan.scans_resume is not None:
-        plan.scans_said = (f"lake aggregates continued from {plan.scans_resume.checkpoint_ns} ns"
+    if scans_resume is not None:
+        plan.scans_said = (f"lake aggregates continued from {scans_resume.checkpoint_ns} ns"
                            if scans.resume is not None
                            else f"lake aggregates computed in full: {scans.refused}")
     stream = access_stream(blocks, scenario, per_token, requests)
     reused = reuse_continued(kv_events=events, bytes_per_token=per_token, scenario=scenario, stream=stream,
-                             resume=plan.reuse_resume, checkpoint_ns=plan.horizon_ns)
+                             resume=ready(plan.reuse_resume), checkpoint_ns=plan.horizon_ns)
     plan.reuse_state, plan.reuse_since, plan.reuse_refused = reused.state, reused.since, reused.refused
     yield "reuse", reused.frame
     curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,

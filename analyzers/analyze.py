@@ -128,13 +128,13 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     plan = LedgerPlan(incremental.horizon(now),
                                       incremental.resume_of(con, scenario) if appended else None,
                                       partitions=_shown(partitions, each, scenario),
-                                      flows_resume=(incremental.flows_resume_of(con, scenario)
+                                      flows_resume=(incremental.flows_resume_of(con, scenario, packer)
                                                     if appended else None),
                                       # reuse keeps its rows before its checkpoint where they are: in a
                                       # copy of the previous DB, and when no --join can change them
-                                      reuse_resume=(incremental.reuse_resume_of(con, scenario)
+                                      reuse_resume=(incremental.reuse_resume_of(con, scenario, packer)
                                                     if appended and base is not None and not join else None),
-                                      scans_resume=(incremental.scans_resume_of(con, scenario)
+                                      scans_resume=(incremental.scans_resume_of(con, scenario, packer)
                                                     if appended else None))
                     pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                              metrics_from=metrics_from, model_source=source, ledger=plan)

@@ -90,7 +90,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import duckdb
 import polars as pl
@@ -102,6 +102,7 @@ from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
 from kvlens.analyzers.outcomes import Resume
 from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
 from kvlens.analyzers.scans import SCANS_TABLE, ScanState
+from kvlens.analyzers.state_blob import Pending, ready
 from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
@@ -341,13 +342,19 @@ def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> bytes |
 
 
 def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: Callable[[bytes], T],
-              what: str, instead: str) -> T | None:
-    """The state blob the previous analysis DB saved for ``scenario`` in ``table``, parsed; None
-    when there is none, or when it does not read (logged, naming ``what`` it is and what is done
-    ``instead``)."""
+              what: str, instead: str, worker: Packer | None = None) -> Pending[T]:
+    """The state blob the previous analysis DB saved for ``scenario`` in ``table``, parsed (on
+    ``worker``'s thread when given: the blob is read here); None when there is none, or when it
+    does not read (logged, naming ``what`` it is and what is done ``instead``)."""
     blob = _saved(con, table, scenario)
     if blob is None:
         return None
+    if worker is not None:
+        return worker.later(_parsed, blob, parse, scenario, what, instead)
+    return _parsed(blob, parse, scenario, what, instead)
+
+
+def _parsed(blob: bytes, parse: Callable[[bytes], T], scenario: str, what: str, instead: str) -> T | None:
     try:
         return parse(blob)
     except (ValueError, KeyError, TypeError, OSError, pl.exceptions.PolarsError) as e:
@@ -357,8 +364,8 @@ def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: 
 
 def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
     """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any."""
-    state = _state_of(con, LEDGER_TABLE, scenario, LedgerState.from_bytes, "ledger",
-                      "replaying its ledger in full")
+    state = ready(_state_of(con, LEDGER_TABLE, scenario, LedgerState.from_bytes, "ledger",
+                            "replaying its ledger in full"))
     if state is None:
         return None
     previous = con.table(f"{PREVIOUS}.block_outcomes").filter(
@@ -376,11 +383,15 @@ class _Saved(Protocol):
 class Packer:
     """The analyzers' states packed (``to_bytes``: compression, mostly outside the GIL) on one
     worker thread from the moment each is ready, while the analyses after it run; ``write_ledger``
-    takes the bytes. ``close`` waits for the worker (a state not yet packed is dropped)."""
+    takes the bytes. The previous states are read back there too (``later``), while the ledger
+    runs. ``close`` waits for the worker (a state not yet packed is dropped)."""
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlens-pack")
         self._jobs: dict[int, tuple[_Saved, Future[bytes]]] = {}
+
+    def later(self, fn: Callable[..., T | None], *args: Any) -> Future[T | None]:
+        return self._pool.submit(fn, *args)
 
     def offer(self, *states: _Saved | None) -> None:
         for state in states:
@@ -408,28 +419,37 @@ def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerSta
             con.execute(f"INSERT INTO {table} VALUES (?, ?, ?)", [scenario, saved.checkpoint_ns, data])
 
 
-def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> FlowsState | None:
-    """flows' state the previous analysis DB saved for ``scenario``, if any (and readable)."""
+def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
+                    worker: Packer | None = None) -> Pending[FlowsState]:
+    """flows' state the previous analysis DB saved for ``scenario``, if any (and readable); read
+    on ``worker``'s thread when given."""
     return _state_of(con, FLOWS_TABLE, scenario, FlowsState.from_bytes, "flows",
-                     "computing its flows in full")
+                     "computing its flows in full", worker)
 
 
-def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ReuseState | None:
+def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
+                    worker: Packer | None = None) -> Pending[ReuseState]:
     """reuse's state the previous analysis DB saved for ``scenario``, if any (and readable), with
-    the count of its `reuse` rows before the state's checkpoint (they stay in the DB)."""
-    state = _state_of(con, REUSE_STATE_TABLE, scenario, ReuseState.from_bytes, "reuse",
-                      "computing reuse in full")
-    if state is None:
+    the count of its `reuse` rows before the state's checkpoint (they stay in the DB); read on
+    ``worker``'s thread when given."""
+    if not _previous_has(con, REUSE_STATE_TABLE):
         return None
-    ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ?",
-                             [scenario, state.checkpoint_ns]).fetchall()
-    return dataclasses.replace(state, kept_rows=int(kept))
+    at = f"SELECT max(checkpoint_ns) FROM {PREVIOUS}.{REUSE_STATE_TABLE} WHERE scenario = ?"
+    ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ({at})",
+                             [scenario, scenario]).fetchall()
+
+    def parse(blob: bytes) -> ReuseState:
+        return dataclasses.replace(ReuseState.from_bytes(blob), kept_rows=int(kept))
+
+    return _state_of(con, REUSE_STATE_TABLE, scenario, parse, "reuse", "computing reuse in full", worker)
 
 
-def scans_resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> ScanState | None:
-    """The lake aggregates' state the previous analysis DB saved for ``scenario``, if readable."""
+def scans_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
+                    worker: Packer | None = None) -> Pending[ScanState]:
+    """The lake aggregates' state the previous analysis DB saved for ``scenario``, if readable; read
+    on ``worker``'s thread when given."""
     return _state_of(con, SCANS_TABLE, scenario, ScanState.from_bytes, "lake aggregates",
-                     "computing them in full")
+                     "computing them in full", worker)
 
 
 def detach_previous(con: duckdb.DuckDBPyConnection) -> None:

@@ -5,11 +5,21 @@ from __future__ import annotations
 
 import io
 import json
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeAlias, TypeVar
 
 import polars as pl
 
-__all__ = ["pack", "unpack"]
+__all__ = ["Pending", "pack", "ready", "unpack"]
+
+T = TypeVar("T")
+# A saved state read back now, or on a worker thread (analyzers/incremental.py ``Packer``).
+Pending: TypeAlias = "T | Future[T | None] | None"
+
+
+def ready(state: Pending[T]) -> T | None:
+    """``state``, waiting for it when it is being read on a worker thread."""
+    return state.result() if isinstance(state, Future) else state
 
 
 def pack(head: dict[str, Any], frames: dict[str, pl.DataFrame]) -> bytes:
