@@ -16,7 +16,7 @@ import polars as pl
 from kvlens.analyzers.capacity import effective_capacity, ttl_coverage
 from kvlens.analyzers.costs import cost_model
 from kvlens.analyzers.crossover import crossover
-from kvlens.analyzers.fanout import fanout
+from kvlens.analyzers.fanout import fanout, fanout_since
 from kvlens.analyzers.flows import FlowsState, flows, flows_continued
 from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.hygiene import hygiene
@@ -65,6 +65,9 @@ class LedgerPlan:
     reuse_resume: Pending[ReuseState] = None  # reuse's state, when its rows before it are kept
     reuse_state: ReuseState | None = None  # set: reuse's state at ``horizon_ns``
     reuse_since: int | None = None  # set when reuse continued: its rows from this time on are new
+    # The previous analysis' windowed rows stand where the ledger continued (a copy of its DB):
+    keep_windows: bool = False
+    fanout_since: int | None = None  # set then: the first fanout window computed again (None: none)
     reuse_refused: str | None = None  # set when reuse was given a state and could not continue
     scans_resume: Pending[ScanState] = None  # the lake aggregates' state (analyzers/scans.py)
     scans_state: ScanState | None = None  # set: their state at ``horizon_ns``
@@ -138,7 +141,13 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         scenario=scenario, bytes_per_token=per_token, resume=continued,
         checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None)
     yield "flows", byte_flows
-    yield "fanout", fanout(block_outcomes=outcomes)
+    if plan.keep_windows and result.appended is not None:
+        plan.fanout_since = fanout_since(result.appended)
+        since = plan.fanout_since
+        yield "fanout", (fanout(block_outcomes=outcomes.filter(pl.col("arrival_ns") >= since))
+                         if since is not None else fanout(block_outcomes=outcomes.clear()))
+    else:
+        yield "fanout", fanout(block_outcomes=outcomes)
     yield "latency_tails", latency_tails(request_ledger=per_request)
     yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes, kv_events=events,
                            scenario=scenario, scans=scans)

@@ -135,11 +135,12 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                                       reuse_resume=(incremental.reuse_resume_of(con, scenario, packer)
                                                     if appended and base is not None and not join else None),
                                       scans_resume=(incremental.scans_resume_of(con, scenario, packer)
-                                                    if appended else None))
+                                                    if appended else None),
+                                      keep_windows=appended and base is not None and not join)
                     pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                              metrics_from=metrics_from, model_source=source, ledger=plan)
                     if base is not None:
-                        incremental.clear_scenario(con, scenario, keep=("block_outcomes", "reuse"))
+                        incremental.clear_scenario(con, scenario, keep=("block_outcomes", "reuse", "fanout"))
                         pairs = _replacing(con, scenario, pairs, plan)
                     for pair in pairs:  # each state is packed from when it is ready, beside the analyses
                         packer.offer(plan.result.state if plan.result else None, plan.flows_state,
@@ -169,7 +170,13 @@ def _replacing(con: duckdb.DuckDBPyConnection, scenario: str, pairs: Iterable[tu
     requests it replayed, and only its new rows are written; so do its ``reuse`` rows, unless
     reuse continued: then only those from its checkpoint on."""
     for name, frame in pairs:
-        if name == "reuse":
+        if name == "fanout":
+            if plan.keep_windows and plan.result is not None and plan.result.appended is not None:
+                if plan.fanout_since is not None:
+                    incremental.delete_since(con, name, scenario, plan.fanout_since, "window_start_ns")
+            else:
+                incremental.clear_scenario(con, scenario, tables=[name])
+        elif name == "reuse":
             if plan.reuse_since is not None:
                 incremental.delete_since(con, name, scenario, plan.reuse_since)
             else:

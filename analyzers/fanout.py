@@ -14,9 +14,21 @@ import polars as pl
 
 from kvlens.schema import Outcome
 
-__all__ = ["fanout"]
+__all__ = ["fanout", "fanout_since"]
 
 DEFAULT_WINDOW_NS = 15 * 60 * 1_000_000_000
+
+
+def fanout_since(appended: pl.DataFrame, window_ns: int = DEFAULT_WINDOW_NS) -> int | None:
+    """The first window a continued ledger changed: that of the earliest arrival among its new and
+    replayed rows (``appended``). Each window's row reads only the ledger rows that arrived in it,
+    and every row before this window is one the previous ledger had: the previous analysis' rows
+    for the earlier windows stand, and ``fanout`` of the rows from this window on gives the rest.
+    None when nothing changed (every previous row stands)."""
+    arrivals = appended["arrival_ns"].drop_nulls()
+    if arrivals.is_empty():
+        return None
+    return (int(arrivals.cast(pl.Int64).to_numpy().min()) // window_ns) * window_ns
 
 
 def fanout(*, block_outcomes: pl.DataFrame, window_ns: int = DEFAULT_WINDOW_NS) -> pl.DataFrame:

@@ -546,9 +546,11 @@ def keep_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> None:
     con.execute(f"DELETE FROM {STATE_TABLE} WHERE scenario = ?", [scenario])
 
 
-def delete_since(con: duckdb.DuckDBPyConnection, table: str, scenario: str, since_ns: int) -> None:
-    """Delete the rows of ``scenario`` from ``table`` stamped from ``since_ns`` on, and unstamped ones."""
-    con.execute(f"DELETE FROM {table} WHERE scenario = ? AND (ts_ns >= ? OR ts_ns IS NULL)",
+def delete_since(con: duckdb.DuckDBPyConnection, table: str, scenario: str, since_ns: int,
+                 column: str = "ts_ns") -> None:
+    """Delete the rows of ``scenario`` from ``table`` stamped (``column``) from ``since_ns`` on, and
+    unstamped ones."""
+    con.execute(f"DELETE FROM {table} WHERE scenario = ? AND ({column} >= ? OR {column} IS NULL)",
                 [scenario, since_ns])
 
 
