@@ -114,7 +114,14 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         resume=plan.resume, partitions=plan.partitions)
     outcomes = plan.result.frame
     gaps, clears = event_gaps(metric_samples=samples, kv_events=events)
-    per_request = mark_incomplete(request_ledger(block_outcomes=outcomes, requests=requests), gaps, clears)
+    settled, result = None, plan.result
+    if result.appended is not None and result.replaced is not None and plan.resume is not None \
+            and plan.resume.requests is not None:
+        # the requests the continued ledger did not replay keep their previous sums
+        settled = plan.resume.requests.pl().filter(~pl.col("request_id").is_in(result.replaced.implode()))
+    per_request = mark_incomplete(request_ledger(
+        block_outcomes=outcomes if settled is None or result.appended is None else result.appended,
+        requests=requests, settled=settled), gaps, clears)
     origin = scenario_provenance(requests=requests, simulations=scenario_rows(con, "simulations", scenario))
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],

@@ -368,9 +368,9 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
                             "replaying its ledger in full"))
     if state is None:
         return None
-    previous = con.table(f"{PREVIOUS}.block_outcomes").filter(
-        duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
-    return Resume(state, previous)
+    mine = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
+    return Resume(state, con.table(f"{PREVIOUS}.block_outcomes").filter(mine),
+                  con.table(f"{PREVIOUS}.request_ledger").filter(mine))
 
 
 class _Saved(Protocol):

@@ -206,6 +206,8 @@ class Resume:
 
     state: LedgerState
     previous: duckdb.DuckDBPyRelation
+    # the previous request_ledger rows of the scenario (analyzers/request_ledger.py ``settled``)
+    requests: duckdb.DuckDBPyRelation | None = None
 
 
 @dataclass(frozen=True)

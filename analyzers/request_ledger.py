@@ -45,8 +45,14 @@ def _per_request(block_outcomes: pl.DataFrame) -> pl.DataFrame:
     return per.join(dominant, on="request_id", how="left")
 
 
-def request_ledger(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRelation) -> pl.DataFrame:
+def request_ledger(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRelation,
+                   settled: pl.DataFrame | None = None) -> pl.DataFrame:
     """One row per request of ``requests`` (a scenario's rows), with its blocks from ``block_outcomes``.
+
+    ``settled``: rows a previous request ledger wrote (request_id, the token sums,
+    tail_partial_tokens, dominant_miss) for requests whose blocks' outcomes have not changed since
+    (a continued ledger's settled requests): their sums are taken from there, and
+    ``block_outcomes`` need hold only the other requests' rows. Every other column is read again.
 
     Columns: scenario, replica, request_id, arrival_ns, prompt_tokens, hit_tokens,
     recomputed_last_tokens, miss_tokens, tail_partial_tokens (the prompt beyond its full blocks),
@@ -63,8 +69,14 @@ def request_ledger(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRel
         block_outcomes = block_outcomes.with_columns(origin=pl.lit(Medium.GPU.value))
     beyond = pl.col("prompt_tokens").fill_null(0).cast(SUM_DTYPE) - pl.col("full_tokens").fill_null(0)
     tail = pl.max_horizontal(beyond, pl.lit(0, SUM_DTYPE))
-    return (req.join(_per_request(block_outcomes), on="request_id", how="left")
-            .with_columns(tail_partial_tokens=tail)
+    rows = req.join(_per_request(block_outcomes), on="request_id", how="left").with_columns(
+        tail_partial_tokens=tail, dominant_miss=pl.col("dominant_miss").cast(pl.Utf8))
+    if settled is not None and settled.height:
+        kept = settled.select("request_id", *(pl.col(c).cast(SUM_DTYPE) for c in _SUMS),
+                              pl.col("dominant_miss").cast(pl.Utf8))
+        rows = pl.concat([rows.filter(~pl.col("request_id").is_in(kept["request_id"].implode())),
+                          req.join(kept, on="request_id")], how="diagonal")
+    return (rows
             .select("scenario", pl.col("replica").cast(pl.Utf8).fill_null(""), "request_id", "arrival_ns",
                     "prompt_tokens", *(pl.col(c).fill_null(0) for c in _SUMS), "cached_tokens",
                     "dominant_miss", "ttft_ms", "queue_ms")
