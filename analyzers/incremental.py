@@ -53,25 +53,26 @@ those runs taken; a request that found no run of its own settles once the checkp
 ``ADMISSION_WINDOW_NS`` (10 minutes) past its look-up. ``reuse`` continues (analyzers/reuse.py):
 an LRU stack is the order of its keys' last accesses and their sizes there, so each replica and
 event stream keeps those, the rows before the checkpoint stay, and a chain root that appears
-later adds the group rows of its earlier re-accesses. Append-only per request next:
-``request_ledger`` and ``request_sources``.
+later adds the group rows of its earlier re-accesses. ``request_ledger`` keeps the sums the
+previous one wrote for the requests the ledger did not replay; ``fanout`` keeps its rows of the
+windows before the earliest arrival among the replayed rows. Append-only per request next:
+``request_sources``.
 
 DESIGN.md section 7 computes the ledger past one machine the same way (per time window, the cache
 state carried across windows), so issue 17's ledger builds on this. Mergeable aggregates:
-``miss_ledger``, ``tier_payoff``,
-``tier_reconciliation``, ``fanout``, the exact ``mrc`` histogram (SHARDS keeps its sample heap).
-Global, recomputed from stored rows: ``scenarios``, ``latency_tails`` (quantiles), ``warmup``,
-``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``, ``hygiene``,
-``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured on the
-4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, the 6th of 6 increments (one
-in-process ``kvlens analyze`` of 1.34 s, the ledger, flows and reuse continued): the ledger 0.30 s,
-flows 0.16 s (its state keeps the latest store of every block and location: a later read may still
-be matched to it, so it is as large as the blocks ever stored, 111k rows here), reuse 0.15 s (most
-of it the whole ``requests`` stream mrc and ttl_coverage read), isolation_findings 0.09 s, warmup
-0.06 s, tier_payoff 0.06 s, prefix_ranking 0.05 s, ttl_coverage 0.04 s, writing the DB 0.10 s;
-DuckDB's queries and binds are 0.38 s of it, mostly a cost per query (a scan opens every segment
-of its table: about 5 ms over the 6 segments of the 392k kv_events rows, whatever it reads), which
-the lake aggregates' states (analyzers/scans.py) save only on larger lakes.
+``miss_ledger``, ``tier_payoff``, ``tier_reconciliation``, the exact ``mrc`` histogram (SHARDS
+keeps its sample heap). Global, recomputed from stored rows: ``scenarios``, ``latency_tails``
+(quantiles), ``warmup``, ``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``,
+``hygiene``, ``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured
+on the 4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, the 6th of 6 increments of
+equal rows (one in-process ``kvlens analyze`` of 1.10 s, the ledger, flows, reuse, request_ledger
+and fanout continued): the ledger and request ledger 0.21 s, flows 0.15 s (its state keeps the
+latest store of every block and location: a later read may still be matched to it, so it is as
+large as the blocks ever stored), reuse 0.12 s (with the whole ``requests`` stream mrc and
+ttl_coverage read), isolation_findings 0.09 s (its distinct keys read every stored event),
+prefix_ranking 0.05 s, ttl_coverage 0.05 s, tier_payoff 0.05 s, warmup 0.05 s; the DB's commit
+and checkpoint 0.08 s (0.05 s for the 1st increment's new file). All of an analysis' writes are one transaction, the states are packed and read
+back on a worker thread, and the previous DB is checked on its copy.
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``,
 ``kvlens_flows``, ``kvlens_reuse`` and ``kvlens_scans``, the analyzers' own states), written in the
