@@ -71,8 +71,9 @@ latest store of every block and location: a later read may still be matched to i
 large as the blocks ever stored), reuse 0.12 s (with the whole ``requests`` stream mrc and
 ttl_coverage read), isolation_findings 0.09 s (its distinct keys read every stored event),
 prefix_ranking 0.05 s, ttl_coverage 0.05 s, tier_payoff 0.05 s, warmup 0.05 s; the DB's commit
-and checkpoint 0.08 s (0.05 s for the 1st increment's new file). All of an analysis' writes are one transaction, the states are packed and read
-back on a worker thread, and the previous DB is checked on its copy.
+and checkpoint 0.08 s (0.05 s for the 1st increment's new file). All of an analysis' writes are
+one transaction, the states are packed and read back on a worker thread, and the previous DB is
+checked on its copy.
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``,
 ``kvlens_flows``, ``kvlens_reuse`` and ``kvlens_scans``, the analyzers' own states), written in the
