@@ -176,9 +176,10 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         plan.scans_said = (f"lake aggregates continued from {scans_resume.checkpoint_ns} ns"
                            if scans.resume is not None
                            else f"lake aggregates computed in full: {scans.refused}")
-    stream = access_stream(blocks, scenario, per_token, requests)
+    reuse_resume = ready(plan.reuse_resume)
+    stream = access_stream(blocks, scenario, per_token, requests, prior=reuse_resume)
     reused = reuse_continued(kv_events=events, bytes_per_token=per_token, scenario=scenario, stream=stream,
-                             resume=ready(plan.reuse_resume), checkpoint_ns=plan.horizon_ns)
+                             resume=reuse_resume, checkpoint_ns=plan.horizon_ns)
     plan.reuse_state, plan.reuse_since, plan.reuse_refused = reused.state, reused.since, reused.refused
     yield "reuse", reused.frame
     curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,

@@ -205,7 +205,10 @@ def _reads(block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
 
 def _match(reads: pl.DataFrame, stores: pl.DataFrame) -> pl.DataFrame:
     """Each read with the store it came from (``store_n``), or NULL, and its tier."""
-    right = stores.select(*_KEY, store_ts=pl.col("ts_ns"), store_n="n", store_tier="tier").sort("store_ts")
+    # Only the stores of a block and location some read names can match (the joins are by key):
+    # a continued run carries every block's latest store, most never read again.
+    right = (stores.join(reads.select(_KEY).unique(), on=_KEY, how="semi", nulls_equal=True)
+             .select(*_KEY, store_ts=pl.col("ts_ns"), store_n="n", store_tier="tier").sort("store_ts"))
     reads = reads.sort("lookup_ns")
     back = _asof(reads, right, ("lookup_ns", "store_ts"), _KEY, "backward")
     fwd = _asof(reads, right, ("lookup_ns", "store_ts"), _KEY, "forward")

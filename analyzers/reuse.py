@@ -314,7 +314,8 @@ _FULL_BLOCK = "block_tokens IS NOT NULL AND block_tokens = coalesce(block_size_t
 
 
 def request_stream(request_blocks: duckdb.DuckDBPyRelation,
-                   requests: duckdb.DuckDBPyRelation | None = None) -> pl.DataFrame:
+                   requests: duckdb.DuckDBPyRelation | None = None, prior: pl.DataFrame | None = None,
+                   since_ns: int | None = None) -> pl.DataFrame:
     """The `requests` stream: block_hash, block_tokens, ts_ns, position, replica, in access order.
 
     The prefix-cache stream: the **full** blocks of the scenario's request_blocks only. A partial
@@ -322,10 +323,23 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation,
     only: ``vllm/v1/core/kv_cache_utils.py`` ``get_request_block_hasher`` stops at the last full
     block, "We only hash full blocks"), so it never enters a cache, a reuse distance or a curve.
     Order: arrival_ns, then request_id (ties in arrival keep a stable order), then position.
+
+    ``prior``: the stream's accesses that arrived before ``since_ns``, as an earlier read of the
+    same lake gave them (a ReuseState's ``stream``): when the lake holds as many of them still (no
+    row before a checkpoint can arrive later: ``kvlens analyze`` rebuilds on a late segment), only
+    the rows from ``since_ns`` on are read, and they follow ``prior`` in the order above.
     """
-    rb = request_blocks.filter(_FULL_BLOCK).project(
-        "request_id, arrival_ns, position, block_hash, block_tokens"
-    ).order(_REQUEST_ORDER)
+    full = request_blocks.filter(_FULL_BLOCK)
+    if prior is not None and since_ns is not None and requests is not None:
+        ((before,),) = full.filter(f"arrival_ns < {int(since_ns)}").aggregate("count(*)").fetchall()
+        if before == prior.height:
+            tail = _stream_rows(full.filter(f"arrival_ns >= {int(since_ns)} OR arrival_ns IS NULL"), requests)
+            return pl.concat([prior.select(tail.columns).cast(tail.schema), tail])
+    return _stream_rows(full, requests)
+
+
+def _stream_rows(full: duckdb.DuckDBPyRelation, requests: duckdb.DuckDBPyRelation | None) -> pl.DataFrame:
+    rb = full.project("request_id, arrival_ns, position, block_hash, block_tokens").order(_REQUEST_ORDER)
     frame = rb.pl()
     if requests is not None and frame.height:
         reps = requests.project("request_id, replica").pl()
@@ -431,9 +445,12 @@ class AccessStream:
 
 
 def access_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per_token: int,
-                  requests: duckdb.DuckDBPyRelation | None = None) -> AccessStream:
-    """The `requests` stream of ``scenario``'s rows and its distances; NoDataError when it is empty."""
-    rs = request_stream(request_blocks, requests)
+                  requests: duckdb.DuckDBPyRelation | None = None,
+                  prior: ReuseState | None = None) -> AccessStream:
+    """The `requests` stream of ``scenario``'s rows and its distances; NoDataError when it is empty.
+    ``prior``: a saved reuse state, whose accesses before its checkpoint are not read again."""
+    rs = request_stream(request_blocks, requests, prior.stream if prior is not None else None,
+                        prior.checkpoint_ns if prior is not None else None)
     if rs.height == 0:
         raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
     sizes = rs["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
@@ -478,7 +495,8 @@ class ReuseState:
     segment), so every row before it is final and stays in the analysis DB; the next run replaces
     the rows from the checkpoint on. The ``requests`` stream is replayed whole every run (mrc and
     ttl_coverage read all its distances), so it keeps only its count; every replica and event
-    stream keeps its LRU stack (``_resumed``)."""
+    stream keeps its LRU stack (``_resumed``), and the ``requests`` stream its accesses before the
+    checkpoint (``stream``: the next run reads only the newer ones from the lake)."""
 
     checkpoint_ns: int
     bytes_per_token: int
@@ -490,19 +508,22 @@ class ReuseState:
     stacks: pl.DataFrame  # stream, block_hash, size, ts_ns: each stream's stack, in last-access order
     roots: pl.DataFrame  # block_hash: the chain roots (position 0) of the whole stream when saved
     kept_rows: int = 0  # read back with the rows of table reuse before the checkpoint (not saved)
+    stream: pl.DataFrame | None = None  # the `requests` stream's accesses before the checkpoint
 
     def to_bytes(self) -> bytes:
+        frames = {"tokens": self.tokens, "stacks": self.stacks, "roots": self.roots}
+        if self.stream is not None:
+            frames["stream"] = self.stream
         return pack({"checkpoint_ns": self.checkpoint_ns, "bytes_per_token": self.bytes_per_token,
                      "accesses": self.accesses, "events": self.events, "unfilled": self.unfilled,
-                     "fill_tokens": self.fill_tokens},
-                    {"tokens": self.tokens, "stacks": self.stacks, "roots": self.roots})
+                     "fill_tokens": self.fill_tokens}, frames)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ReuseState:
         head, frames = unpack(data)
         return cls(int(head["checkpoint_ns"]), int(head["bytes_per_token"]), int(head["accesses"]),
                    int(head["events"]), int(head["unfilled"]), int(head["fill_tokens"]), frames["tokens"],
-                   frames["stacks"], frames["roots"])
+                   frames["stacks"], frames["roots"], stream=frames.get("stream"))
 
 
 @dataclass(frozen=True)
@@ -608,9 +629,10 @@ def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None,
         tokens = (pl.concat([prior.tokens, tokens]).group_by("block_tokens").agg(pl.col("count").sum())
                   .sort("block_tokens"))
     schema = pl.Schema({"stream": pl.String, "block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64})
+    accesses = int((ts < cut_ns).sum())
     return ReuseState(
         checkpoint_ns=cut_ns, bytes_per_token=bytes_per_token,
-        accesses=int((ts < cut_ns).sum()),
+        accesses=accesses, stream=acc.frame.head(accesses),  # in time order: those before the cut
         events=(prior.events if prior else 0) + settled_ev.height,
         unfilled=(prior.unfilled if prior else 0) + settled_ev["block_tokens"].null_count(),
         fill_tokens=fill, tokens=tokens,
