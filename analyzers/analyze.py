@@ -104,13 +104,14 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                               f"present are {', '.join(present) or 'none'}")
         state = incremental.previous_state(con, previous) if not full else "--full given"
         no_state, before = (state, {}) if isinstance(state, str) else (None, state)
-        # One transaction (from here no statement is expected to fail): a statement that commits
-        # on its own writes its rows to the write-ahead log, and the CHECKPOINT writes them again.
-        con.execute("BEGIN TRANSACTION")
         wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
         packer = incremental.Packer()
         with wrapped as each, closing(packer):
             for scenario in each:
+                # One transaction per scenario (from here no statement is expected to fail): a
+                # statement that commits on its own writes its rows to the write-ahead log, and the
+                # CHECKPOINT writes them again; one for every scenario would hold them all in memory.
+                con.execute("BEGIN TRANSACTION")
                 geometry, source = scenario_model(con, scenario, model)
                 config = incremental.config_of(geometry, source, cache_tokens=cache_tokens, join=join,
                                                metrics_from=metrics_from, code=code)
@@ -153,11 +154,11 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
                 modes.append((scenario, decision.mode, decision.reason))
+                con.execute("COMMIT")
         if base is not None:
             incremental.drop_others(con, done)
         if no_state is None:
             incremental.detach_previous(con)
-        con.execute("COMMIT")
 
     path = build_analysis_db(db, lake, compute, base=candidate, accept=accepted)
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
