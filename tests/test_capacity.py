@@ -119,3 +119,32 @@ def test_analyze_writes_ttl_coverage_and_capacity_when_told_the_cache(
     con.close()
     # No metric samples in this lake: nothing is subtracted, and the source says so.
     assert rows == [(1024 * per_token, 1024 * per_token, "none")]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
+    """The pinned peak equals a brute-force count of the bytes held at each access's time, on
+    random streams with ties, zero-size blocks, zero TTLs and renewals at the same instant."""
+    import numpy as np
+
+    from kvlens.analyzers.capacity import _residence
+
+    rng = np.random.default_rng(seed)
+    for _ in range(200):
+        n = int(rng.integers(1, 40))
+        ts = np.sort(rng.integers(0, 25, n)).astype(np.int64)
+        keys = rng.integers(0, 4, n)
+        nxt = np.full(n, -1, np.int64)
+        last: dict[int, int] = {}
+        for i in range(n - 1, -1, -1):
+            nxt[i] = last.get(int(keys[i]), -1)
+            last[int(keys[i])] = i
+        sizes = rng.integers(0, 50, n).astype(np.int64)
+        ttl, end = int(rng.integers(0, 12)), int(rng.integers(0, 30))
+        stop = np.where(nxt >= 0, np.minimum(ts + ttl, ts[np.maximum(nxt, 0)]), ts + ttl)
+        stop = np.minimum(stop, max(end, int(ts.max()) + 1))
+        # held just after the accesses at time t: begun at or before t and stopping after it (held
+        # bytes only grow at an access, so the peak is at one of their times)
+        expected = max(sum(int(s) for t0, t1, s in zip(ts, stop, sizes, strict=True) if t0 <= t < t1)
+                       for t in ts.tolist())
+        assert _residence(ts, nxt, sizes, ttl, end)[1] == expected

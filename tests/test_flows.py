@@ -121,6 +121,36 @@ def test_fanout_counts_replicas_per_block_and_window() -> None:
     assert (second["window_start_ns"], second["fanout_max_replicas"], second["pulled_bytes"]) == (100, 1, 0)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_fanout_windows_stand_alone(seed: int) -> None:
+    """What a continued analysis relies on (analyzers/fanout.py ``fanout_since``): the rows of the
+    windows from the earliest new arrival on are fanout of the rows that arrived from that window
+    on; the earlier windows' rows are those a previous analysis wrote."""
+    import numpy as np
+
+    from kvlens.analyzers.fanout import fanout_since
+
+    rng = np.random.default_rng(seed)
+    n = 300
+    outcomes = pl.DataFrame({
+        "scenario": "s", "request_id": [f"q{i}" for i in rng.integers(0, 60, n)],
+        "replica": [f"r{i}" for i in rng.integers(0, 3, n)],
+        "arrival_ns": np.sort(rng.integers(0, 1000, n)), "position": rng.integers(0, 5, n).astype(np.int32),
+        "block_hash": rng.integers(1, 40, n).astype(np.uint64),
+        "outcome": rng.choice(["hit_local", "hit_remote", "miss_cold", "miss_evicted"], n),
+        "bytes": rng.integers(1, 100, n)})
+    whole = fanout(block_outcomes=outcomes, window_ns=100)
+    arrivals = outcomes["arrival_ns"]
+    for cut in (int(arrivals[0]), int(arrivals[37]), int(arrivals[150]), int(arrivals[-1])):
+        appended = outcomes.filter(pl.col("arrival_ns") >= cut)
+        since = fanout_since(appended, window_ns=100)
+        assert since is not None and since <= cut
+        kept = whole.filter(pl.col("window_start_ns") < since)
+        redone = fanout(block_outcomes=outcomes.filter(pl.col("arrival_ns") >= since), window_ns=100)
+        assert pl.concat([kept, redone]).equals(whole)
+    assert fanout_since(outcomes.clear(), window_ns=100) is None
+
+
 def test_demo_flows_read_what_the_ledger_hit(demo_workdir: Path) -> None:
     con = duckdb.connect(str(demo_workdir / "kvlens.duckdb"), read_only=True)
     hit = dict(con.execute("SELECT scenario, sum(bytes) FROM block_outcomes WHERE outcome IN "
