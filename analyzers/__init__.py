@@ -67,7 +67,8 @@ class LedgerPlan:
     reuse_since: int | None = None  # set when reuse continued: its rows from this time on are new
     # The previous analysis' windowed rows stand where the ledger continued (a copy of its DB):
     keep_windows: bool = False
-    fanout_since: int | None = None  # set then: the first fanout window computed again (None: none)
+    fanout_kept: bool = False  # set when they did: fanout's rows before ``fanout_since`` stand
+    fanout_since: int | None = None  # the first fanout window computed again (None: none)
     reuse_refused: str | None = None  # set when reuse was given a state and could not continue
     scans_resume: Pending[ScanState] = None  # the lake aggregates' state (analyzers/scans.py)
     scans_state: ScanState | None = None  # set: their state at ``horizon_ns``
@@ -114,14 +115,14 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         resume=plan.resume, partitions=plan.partitions)
     outcomes = plan.result.frame
     gaps, clears = event_gaps(metric_samples=samples, kv_events=events)
-    settled, result = None, plan.result
+    result, settled, summed = plan.result, None, outcomes
     if result.appended is not None and result.replaced is not None and plan.resume is not None \
             and plan.resume.requests is not None:
         # the requests the continued ledger did not replay keep their previous sums
         settled = plan.resume.requests.pl().filter(~pl.col("request_id").is_in(result.replaced.implode()))
-    per_request = mark_incomplete(request_ledger(
-        block_outcomes=outcomes if settled is None or result.appended is None else result.appended,
-        requests=requests, settled=settled), gaps, clears)
+        summed = result.appended
+    per_request = mark_incomplete(request_ledger(block_outcomes=summed, requests=requests, settled=settled),
+                                  gaps, clears)
     origin = scenario_provenance(requests=requests, simulations=scenario_rows(con, "simulations", scenario))
     yield "scenarios", pl.DataFrame({
         "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
@@ -138,7 +139,6 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "isolation_findings", isolation_findings(
         requests=requests, request_blocks=blocks, kv_events=events, block_outcomes=outcomes,
         scenario=scenario, bytes_per_token=per_token, scans=scans)
-    result = plan.result
     flows_resume = ready(plan.flows_resume)
     continued = (flows_resume if result.appended is not None and plan.resume is not None
                  and flows_resume is not None
@@ -148,11 +148,11 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         scenario=scenario, bytes_per_token=per_token, resume=continued,
         checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None)
     yield "flows", byte_flows
-    if plan.keep_windows and result.appended is not None:
-        plan.fanout_since = fanout_since(result.appended)
-        since = plan.fanout_since
-        yield "fanout", (fanout(block_outcomes=outcomes.filter(pl.col("arrival_ns") >= since))
-                         if since is not None else fanout(block_outcomes=outcomes.clear()))
+    plan.fanout_kept = plan.keep_windows and result.appended is not None
+    if plan.fanout_kept and result.appended is not None:
+        plan.fanout_since = since = fanout_since(result.appended)
+        yield "fanout", fanout(block_outcomes=outcomes.clear() if since is None
+                               else outcomes.filter(pl.col("arrival_ns") >= since))
     else:
         yield "fanout", fanout(block_outcomes=outcomes)
     yield "latency_tails", latency_tails(request_ledger=per_request)

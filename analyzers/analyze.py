@@ -105,8 +105,8 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
         state = incremental.previous_state(con, previous) if not full else "--full given"
         no_state, before = (state, {}) if isinstance(state, str) else (None, state)
         wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
-        packer = incremental.Packer()
-        with wrapped as each, closing(packer):
+        worker = incremental.StateWorker()
+        with wrapped as each, closing(worker):
             for scenario in each:
                 # One transaction per scenario (from here no statement is expected to fail): a
                 # statement that commits on its own writes its rows to the write-ahead log, and the
@@ -129,13 +129,13 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     plan = LedgerPlan(incremental.horizon(now),
                                       incremental.resume_of(con, scenario) if appended else None,
                                       partitions=_shown(partitions, each, scenario),
-                                      flows_resume=(incremental.flows_resume_of(con, scenario, packer)
+                                      flows_resume=(incremental.flows_resume_of(con, scenario, worker)
                                                     if appended else None),
                                       # reuse keeps its rows before its checkpoint where they are: in a
                                       # copy of the previous DB, and when no --join can change them
-                                      reuse_resume=(incremental.reuse_resume_of(con, scenario, packer)
+                                      reuse_resume=(incremental.reuse_resume_of(con, scenario, worker)
                                                     if appended and base is not None and not join else None),
-                                      scans_resume=(incremental.scans_resume_of(con, scenario, packer)
+                                      scans_resume=(incremental.scans_resume_of(con, scenario, worker)
                                                     if appended else None),
                                       keep_windows=appended and base is not None and not join)
                     pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
@@ -144,12 +144,12 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                         incremental.clear_scenario(con, scenario, keep=("block_outcomes", "reuse", "fanout"))
                         pairs = _replacing(con, scenario, pairs, plan)
                     for pair in pairs:  # each state is packed from when it is ready, beside the analyses
-                        packer.offer(plan.result.state if plan.result else None, plan.flows_state,
+                        worker.offer(plan.result.state if plan.result else None, plan.flows_state,
                                      plan.reuse_state, plan.scans_state)
                         yield pair
                     decision = _ledger_said(scenario, decision, plan)
                     incremental.write_ledger(con, scenario, plan.result.state if plan.result else None,
-                                             plan.flows_state, plan.reuse_state, plan.scans_state, packer)
+                                             plan.flows_state, plan.reuse_state, plan.scans_state, worker)
                 incremental.write_state(con, scenario, now, decision)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
@@ -172,11 +172,10 @@ def _replacing(con: duckdb.DuckDBPyConnection, scenario: str, pairs: Iterable[tu
     reuse continued: then only those from its checkpoint on."""
     for name, frame in pairs:
         if name == "fanout":
-            if plan.keep_windows and plan.result is not None and plan.result.appended is not None:
-                if plan.fanout_since is not None:
-                    incremental.delete_since(con, name, scenario, plan.fanout_since, "window_start_ns")
-            else:
+            if not plan.fanout_kept:
                 incremental.clear_scenario(con, scenario, tables=[name])
+            elif plan.fanout_since is not None:
+                incremental.delete_since(con, name, scenario, plan.fanout_since, "window_start_ns")
         elif name == "reuse":
             if plan.reuse_since is not None:
                 incremental.delete_since(con, name, scenario, plan.reuse_since)

@@ -32,7 +32,7 @@ On the next ``kvlens analyze`` each chosen scenario is, in this order:
   from theirs (analyzers/scans.py, ``ScanState``), scanning only the rows from their checkpoint
   on; every other analysis is computed again over the whole scenario.
 
-Where it is written. An incremental analysis starts from a copy of the previous DB (``base_of``):
+Where it is written. An incremental analysis starts from a copy of the previous DB (``base_fits``):
 a carried scenario's rows stay where they are, an analyzed one's are deleted first, a continued
 ledger deletes only its replayed requests' rows and writes its new ones, and a scenario no longer
 chosen is deleted. A new file is written instead after a code change (every scenario is rebuilt
@@ -109,8 +109,8 @@ from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Packer", "Segment", "base_file", "base_fits",
-           "base_of", "carry_scenario",
+__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "StateWorker", "base_file",
+           "base_fits", "carry_scenario",
            "clear_scenario", "code_digest", "decide", "delete_requests", "delete_since", "detach_previous",
            "drop_others", "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of",
            "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
@@ -344,11 +344,15 @@ def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> bytes |
 
 
 def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: Callable[[bytes], T],
-              what: str, instead: str, worker: Packer | None = None) -> Pending[T]:
+              what: str, instead: str, worker: StateWorker | None = None) -> Pending[T]:
     """The state blob the previous analysis DB saved for ``scenario`` in ``table``, parsed (on
     ``worker``'s thread when given: the blob is read here); None when there is none, or when it
     does not read (logged, naming ``what`` it is and what is done ``instead``)."""
-    blob = _saved(con, table, scenario)
+    return _read(_saved(con, table, scenario), parse, scenario, what, instead, worker)
+
+
+def _read(blob: bytes | None, parse: Callable[[bytes], T], scenario: str, what: str, instead: str,
+          worker: StateWorker | None) -> Pending[T]:
     if blob is None:
         return None
     if worker is not None:
@@ -382,14 +386,14 @@ class _Saved(Protocol):
     def to_bytes(self) -> bytes: ...
 
 
-class Packer:
+class StateWorker:
     """The analyzers' states packed (``to_bytes``: compression, mostly outside the GIL) on one
     worker thread from the moment each is ready, while the analyses after it run; ``write_ledger``
     takes the bytes. The previous states are read back there too (``later``), while the ledger
     runs. ``close`` waits for the worker (a state not yet packed is dropped)."""
 
     def __init__(self) -> None:
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlens-pack")
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvlens-states")
         self._jobs: dict[int, tuple[_Saved, Future[bytes]]] = {}
 
     def later(self, fn: Callable[..., T | None], *args: Any) -> Future[T | None]:
@@ -410,19 +414,19 @@ class Packer:
 
 def write_ledger(con: duckdb.DuckDBPyConnection, scenario: str, state: LedgerState | None,
                  flows: FlowsState | None = None, reuse: ReuseState | None = None,
-                 scans: ScanState | None = None, packer: Packer | None = None) -> None:
+                 scans: ScanState | None = None, worker: StateWorker | None = None) -> None:
     """Record the scenario's ledger state, and flows', reuse's and the lake aggregates' beside it,
-    in the DB being built (``carry_scenario`` copies them); ``packer``: where they were packed."""
+    in the DB being built (``carry_scenario`` copies them); ``worker``: where they were packed."""
     for table, saved in ((LEDGER_TABLE, state), (FLOWS_TABLE, flows), (REUSE_STATE_TABLE, reuse),
                          (SCANS_TABLE, scans)):
         con.execute(f"CREATE TABLE IF NOT EXISTS {table} ({_LEDGER_COLUMNS})")
         if saved is not None:
-            data = packer.bytes_of(saved) if packer is not None else saved.to_bytes()
+            data = worker.bytes_of(saved) if worker is not None else saved.to_bytes()
             con.execute(f"INSERT INTO {table} VALUES (?, ?, ?)", [scenario, saved.checkpoint_ns, data])
 
 
 def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
-                    worker: Packer | None = None) -> Pending[FlowsState]:
+                    worker: StateWorker | None = None) -> Pending[FlowsState]:
     """flows' state the previous analysis DB saved for ``scenario``, if any (and readable); read
     on ``worker``'s thread when given."""
     return _state_of(con, FLOWS_TABLE, scenario, FlowsState.from_bytes, "flows",
@@ -430,24 +434,25 @@ def flows_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
 
 
 def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
-                    worker: Packer | None = None) -> Pending[ReuseState]:
+                    worker: StateWorker | None = None) -> Pending[ReuseState]:
     """reuse's state the previous analysis DB saved for ``scenario``, if any (and readable), with
     the count of its `reuse` rows before the state's checkpoint (they stay in the DB); read on
     ``worker``'s thread when given."""
-    if not _previous_has(con, REUSE_STATE_TABLE):
+    blob = _saved(con, REUSE_STATE_TABLE, scenario)
+    if blob is None:
         return None
     at = f"SELECT max(checkpoint_ns) FROM {PREVIOUS}.{REUSE_STATE_TABLE} WHERE scenario = ?"
     ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ({at})",
                              [scenario, scenario]).fetchall()
 
-    def parse(blob: bytes) -> ReuseState:
-        return dataclasses.replace(ReuseState.from_bytes(blob), kept_rows=int(kept))
+    def parse(data: bytes) -> ReuseState:
+        return dataclasses.replace(ReuseState.from_bytes(data), kept_rows=int(kept))
 
-    return _state_of(con, REUSE_STATE_TABLE, scenario, parse, "reuse", "computing reuse in full", worker)
+    return _read(blob, parse, scenario, "reuse", "computing reuse in full", worker)
 
 
 def scans_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
-                    worker: Packer | None = None) -> Pending[ScanState]:
+                    worker: StateWorker | None = None) -> Pending[ScanState]:
     """The lake aggregates' state the previous analysis DB saved for ``scenario``, if readable; read
     on ``worker``'s thread when given."""
     return _state_of(con, SCANS_TABLE, scenario, ScanState.from_bytes, "lake aggregates",
@@ -468,7 +473,7 @@ def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, d
 
 # -- appending to a copy of the previous DB --------------------------------------------------------
 #
-# An incremental analysis starts from a copy of the previous analysis DB (``base_of``) rather than
+# An incremental analysis starts from a copy of the previous analysis DB (``base_fits``) rather than
 # an empty file: a carried scenario's rows are already there, an analyzed scenario's are deleted
 # first (``clear_scenario``), and a continued ledger deletes only the replayed requests' rows and
 # inserts its new ones (``delete_requests``). What the DB holds is what a fresh build writes.
@@ -515,22 +520,6 @@ def base_fits(con: duckdb.DuckDBPyConnection, code: str) -> bool:
         log.info("analysis DB: %d of its %d blocks are free; writing a new file", free, used + free)
         return False
     return any(json.loads(c).get("code") == code for c in configs)
-
-
-def base_of(db: str | os.PathLike[str], code: str) -> Path | None:
-    """``db`` when it can be the copy an incremental analysis starts from (``base_file`` and
-    ``base_fits``, read here in place); else None."""
-    path = base_file(db)
-    if path is None:
-        return None
-    try:
-        con = duckdb.connect(str(path), read_only=True)
-    except duckdb.Error:
-        return None
-    try:
-        return path if base_fits(con, code) else None
-    finally:
-        con.close()
 
 
 def clear_scenario(con: duckdb.DuckDBPyConnection, scenario: str, *, tables: Sequence[str] | None = None,

@@ -326,11 +326,11 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     t_c = st.checkpoint_ns
     # Every request that may look up from t_c on (SQL rounds half away from zero where Polars
     # rounds half to even: one nanosecond of slack), split exactly once its look-up is computed.
-    recent = requests.filter(f"{_LOOKUP_SQL} >= {t_c - 1}")
+    is_recent = f"{_LOOKUP_SQL} >= {t_c - 1}"
+    recent = requests.filter(is_recent)
     ids = recent.select("request_id")
     # One pass: the recent rows, their distinct ids, every row of an id with a recent row, and the
     # rows without an arrival time.
-    is_recent = f"{_LOOKUP_SQL} >= {t_c - 1}"
     ((rows, distinct, everywhere, unknown),) = requests.select(
         f"request_id, arrival_ns, {is_recent} AS recent, "
         f"bool_or({is_recent}) OVER (PARTITION BY request_id) AS of_recent"

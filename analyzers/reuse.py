@@ -493,10 +493,10 @@ class ReuseState:
 
     No access stamped before the checkpoint can still arrive (``kvlens analyze`` rebuilds on a late
     segment), so every row before it is final and stays in the analysis DB; the next run replaces
-    the rows from the checkpoint on. The ``requests`` stream is replayed whole every run (mrc and
-    ttl_coverage read all its distances), so it keeps only its count; every replica and event
-    stream keeps its LRU stack (``_resumed``), and the ``requests`` stream its accesses before the
-    checkpoint (``stream``: the next run reads only the newer ones from the lake)."""
+    the rows from the checkpoint on. Every replica and event stream keeps its LRU stack
+    (``_resumed``). The ``requests`` stream's distances are computed whole every run (mrc and
+    ttl_coverage read them all), so it keeps its accesses before the checkpoint instead (``stream``:
+    the next run reads only the newer ones from the lake)."""
 
     checkpoint_ns: int
     bytes_per_token: int

@@ -13,7 +13,7 @@ import polars as pl
 __all__ = ["Pending", "pack", "ready", "unpack"]
 
 T = TypeVar("T")
-# A saved state read back now, or on a worker thread (analyzers/incremental.py ``Packer``).
+# A saved state read back now, or on a worker thread (analyzers/incremental.py ``StateWorker``).
 Pending: TypeAlias = "T | Future[T | None] | None"
 
 

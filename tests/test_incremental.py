@@ -301,7 +301,17 @@ def test_an_incremental_analysis_writes_into_a_copy_of_the_previous_db(
 def test_a_new_file_when_the_previous_cannot_be_the_base(tiny: Path, tmp_path: Path) -> None:
     """The previous DB is not copied when it has a write-ahead log beside it, was written by other
     code, or has more free blocks than used ones (deleted rows' space is never returned)."""
-    from kvlens.analyzers.incremental import base_of, code_digest
+    from kvlens.analyzers.incremental import base_file, base_fits, code_digest
+
+    def base_of(path: Path, code: str) -> Path | None:  # what analyze_lake decides, read in place
+        found = base_file(path)
+        if found is None:
+            return None
+        con = duckdb.connect(str(found), read_only=True)
+        try:
+            return found if base_fits(con, code) else None
+        finally:
+            con.close()
 
     lake, db = tmp_path / "lake", tmp_path / "incr.duckdb"
     shutil.copytree(tiny, lake)
