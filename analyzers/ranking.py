@@ -30,6 +30,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import polars as pl
 
 from kvlens.analyzers.costs import CostModel, LoadPath
@@ -45,25 +46,51 @@ _MISS_CAUSES = tuple(o.value for o in (Outcome.MISS_ROUTING, Outcome.MISS_EVICTE
 PUBLISH, PIN, KEEP_LOCAL, DO_NOT = "publish to pool", "pin", "keep local", "do not publish"
 
 
+def _in_request_order(outcomes: pl.DataFrame) -> tuple[pl.DataFrame, np.ndarray]:
+    """``outcomes`` with each request's rows together, by position, and where each request's rows
+    start (a mask): as given when they already are (the ledger writes a request's blocks in one
+    run, by position), else sorted by request id."""
+    for sort in (False, True):
+        df = outcomes.sort("request_id", "position") if sort else outcomes
+        run = df["request_id"].rle_id().to_numpy()
+        starts = np.ones(df.height, bool)
+        starts[1:] = run[1:] != run[:-1]
+        pos = df["position"].to_numpy()
+        if (not df.height or run[-1] + 1 == df["request_id"].n_unique()) \
+                and bool(np.all(starts[1:] | (pos[1:] > pos[:-1]))):
+            break
+    return df, starts
+
+
 def _segments(outcomes: pl.DataFrame) -> pl.DataFrame:
-    """Each shared block access with its group's tip, parent tip, and chain totals."""
-    df = outcomes.sort("request_id", "position").with_columns(
-        pl.len().over("block_hash").alias("n"),
-        pl.col("tokens").cum_sum().over("request_id").alias("cum_tokens"),
-        pl.col("bytes").cum_sum().over("request_id").alias("cum_bytes"),
-    )
-    brk = ((pl.col("n") != pl.col("n").shift(1)) | (pl.col("position") != pl.col("position").shift(1) + 1))
-    df = df.with_columns(brk.fill_null(True).cum_sum().over("request_id").alias("run"))
-    df = df.with_columns(
-        pl.col("block_hash").last().over("request_id", "run").alias("tip"),
-        (pl.col("cum_tokens") - pl.col("tokens")).first().over("request_id", "run").alias("start_tokens"),
-        (pl.col("cum_bytes") - pl.col("bytes")).first().over("request_id", "run").alias("start_bytes"),
-    )
-    runs = df.group_by("request_id", "run").agg(pl.col("tip").first(), pl.col("n").first()).sort(
-        "request_id", "run")
-    runs = runs.with_columns(pl.col("tip").shift(1).over("request_id").alias("parent_hash"))
-    df = df.join(runs.select("request_id", "run", "parent_hash"), on=["request_id", "run"])
-    return df.filter(pl.col("n") >= 2)
+    """Each shared block access with its group's tip, parent tip, and chain totals.
+
+    On arrays in request order: a run is a stretch of one request's consecutive positions of one
+    count; its tip is its last block and its parent the tip of the request's run before it."""
+    df, new_request = _in_request_order(outcomes)
+    size = df.height
+    n = df.select(pl.len().over("block_hash")).to_series().to_numpy()
+    pos, hashes = df["position"].to_numpy(), df["block_hash"].to_numpy()
+    begin = np.maximum.accumulate(np.where(new_request, np.arange(size), 0))  # each row's request start
+    brk = new_request.copy()
+    brk[1:] |= (n[1:] != n[:-1]) | (pos[1:] != pos[:-1] + 1)
+    run = np.cumsum(brk) - 1
+    run_first = np.flatnonzero(brk)
+    tip = hashes[np.concatenate([run_first[1:] - 1, [size - 1]])] if size else hashes
+    parent = np.concatenate([[0], tip[:-1]]).astype(hashes.dtype)
+    first_row = run_first[run]
+    shared = n >= 2
+    columns: dict[str, Any] = {"n": n[shared], "tip": tip[run][shared]}
+    for name in ("tokens", "bytes"):
+        own = df[name].to_numpy().astype(np.int64)
+        total = np.cumsum(own)
+        cum = total - np.concatenate([[0], total])[begin]  # the request's total up to each row
+        columns[f"cum_{name}"] = cum[shared]
+        columns[f"start_{name}"] = (cum - own)[first_row][shared]
+    orphan = new_request[run_first][run][shared]  # the run starts its request: no parent
+    return df.filter(pl.Series(shared)).with_columns(
+        pl.Series("parent_hash", parent[run][shared]).set(pl.Series(orphan), None),
+        *(pl.Series(k, v) for k, v in columns.items()))
 
 
 def _groups(shared: pl.DataFrame) -> pl.DataFrame:
@@ -75,7 +102,7 @@ def _groups(shared: pl.DataFrame) -> pl.DataFrame:
         pl.col("cum_tokens").max().alias("prefix_tokens"),
         pl.col("cum_bytes").max().alias("bytes"),
         pl.col("start_tokens").max(), pl.col("start_bytes").max(),
-        pl.col("parent_hash").first(),
+        pl.col("parent_hash").min(),  # one parent per tip: the chain above it is shared
         pl.col("arrival_ns").min().alias("first_arrival_ns"),
         pl.col("arrival_ns").max().alias("last_arrival_ns"),
         *tokens_of.values(),

@@ -13,6 +13,7 @@ import polars as pl
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from polars.testing import assert_frame_equal
 
 from kvlens.analyzers import block_outcomes
 from kvlens.analyzers.costs import CostModel, DeviceModel, Label, Rate, cost_model
@@ -156,6 +157,11 @@ def test_only_positive_benefit_is_recommended(reqs: list[tuple[int, list[int], l
     shared = frame.filter(pl.len().over("block_hash") >= 2)
     avoidable = shared.filter(pl.col("outcome").is_in(["miss_routing", "miss_evicted"]))["tokens"].sum()
     assert int(ranking["avoidable_miss_tokens"].sum()) == avoidable
+    # The rows in any order rank the same: a request's rows apart or out of position order are
+    # sorted first; together and by position (as the ledger writes them) they are read as given.
+    shuffled = frame.sample(fraction=1.0, shuffle=True, seed=len(built))
+    again = prefix_ranking(block_outcomes=shuffled, costs=costs, scenario="s", top_n=10**6)
+    assert_frame_equal(again, ranking)
 
 
 @pytest.fixture(scope="module")
