@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import duckdb
+import numba
 import numpy as np
 import polars as pl
 
@@ -90,11 +91,50 @@ def effective_capacity(*, mrc: pl.DataFrame, physical_bytes: int, bytes_per_toke
     })
 
 
+@numba.njit(cache=True)
+def _peak_in_order(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int, cap: int) -> int:
+    """The most bytes held just after an access, ``ts`` in time order, in one pass.
+
+    Held after access k: the bytes accessed up to it less those stopped at or before its time
+    (stops first at a tie). A residency stops at its expiry (``ts + TTL``, capped) unless the next
+    access renews it first; then at that access's time. Both kinds of stop come in time order
+    (expiries in their accesses' order, renewals in the renewing accesses'), so two cursors walk
+    them beside the accesses: no sort."""
+    n = len(ts)
+    renewed = np.zeros(n, np.bool_)  # residency i ends at its renewal
+    renewing = np.zeros(n, np.int64)  # bytes whose residency access j's renewal stops
+    renews = np.zeros(n, np.bool_)
+    for i in range(n):
+        j = nxt[i]
+        if j >= 0 and ts[j] <= ts[i] + ttl_ns:
+            renewed[i] = True
+            renews[j] = True
+            renewing[j] = sizes[i]
+    accessed, stopped, peak = 0, 0, -(2**62)
+    e, r = 0, 0
+    for k in range(n):
+        t = ts[k]
+        accessed += sizes[k]
+        while e < n and (renewed[e] or min(ts[e] + ttl_ns, cap) <= t):
+            if not renewed[e]:
+                stopped += sizes[e]
+            e += 1
+        while r < n and (not renews[r] or min(ts[r], cap) <= t):
+            if renews[r]:
+                stopped += renewing[r]
+            r += 1
+        peak = max(peak, accessed - stopped)
+    return peak
+
+
 def _residence(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int,
                end_ns: int) -> tuple[float, float]:
     """Mean and peak bytes a TTL cache holds; each access keeps its block until min(ts+TTL, next)."""
+    if not len(ts):
+        return 0.0, 0.0
+    cap = max(end_ns, int(ts.max()) + 1)
     stop = np.where(nxt >= 0, np.minimum(ts + ttl_ns, ts[np.maximum(nxt, 0)]), ts + ttl_ns)
-    stop = np.minimum(stop, max(end_ns, int(ts.max()) + 1))
+    stop = np.minimum(stop, cap)
     span = max(1, int(stop.max()) - int(ts.min()))
     # Byte-nanoseconds overflow int64 with real KV sizes (a 512-token Llama-3.1-70B block held
     # 60 s is 1.0e19): the products are summed in float64 (53-bit mantissa, relative error 1e-16).
@@ -103,8 +143,8 @@ def _residence(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int,
     # at or before its time (at a tie a stop comes first: the next access that renews a block
     # stops its previous residency at that access's time). The maximum is reached just after
     # some access, so the accesses (in time order) are the only places to look.
-    if not len(ts):
-        return mean, 0.0
+    if bool(np.all(ts[1:] >= ts[:-1])):  # a stream is in time order: one pass
+        return mean, float(_peak_in_order(ts, nxt, sizes.astype(np.int64), ttl_ns, cap))
     starts = np.argsort(ts, kind="stable")
     ends = np.sort(stop)
     stop_sizes = np.concatenate([[0], np.cumsum(sizes[np.argsort(stop, kind="stable")])])

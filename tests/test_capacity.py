@@ -124,7 +124,8 @@ def test_analyze_writes_ttl_coverage_and_capacity_when_told_the_cache(
 @pytest.mark.parametrize("seed", range(5))
 def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
     """The pinned peak equals a brute-force count of the bytes held at each access's time, on
-    random streams with ties, zero-size blocks, zero TTLs and renewals at the same instant."""
+    random streams with ties, zero-size blocks, zero TTLs and renewals at the same instant, in time
+    order (stops merged from two sorted runs) and out of it (stops sorted)."""
     import numpy as np
 
     from kvlens.analyzers.capacity import _residence
@@ -140,6 +141,11 @@ def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
             nxt[i] = last.get(int(keys[i]), -1)
             last[int(keys[i])] = i
         sizes = rng.integers(0, 50, n).astype(np.int64)
+        if rng.random() < 0.3:  # the accesses out of time order: the general path, not the merge
+            perm = rng.permutation(n)
+            back = np.argsort(perm)
+            moved = np.where(nxt[perm] >= 0, back[np.maximum(nxt[perm], 0)], -1)
+            ts, sizes, nxt = ts[perm], sizes[perm], moved
         ttl, end = int(rng.integers(0, 12)), int(rng.integers(0, 30))
         stop = np.where(nxt >= 0, np.minimum(ts + ttl, ts[np.maximum(nxt, 0)]), ts + ttl)
         stop = np.minimum(stop, max(end, int(ts.max()) + 1))
