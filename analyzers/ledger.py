@@ -21,9 +21,11 @@ def miss_ledger(*, block_outcomes: pl.DataFrame, incomplete: pl.DataFrame | None
     if incomplete is None:
         incomplete = pl.DataFrame(schema={"request_id": pl.String, "events_incomplete": pl.Boolean})
     flags = incomplete.select("request_id", "events_incomplete")
-    return (block_outcomes.with_columns(pl.col("replica").cast(pl.Utf8).fill_null(""))
-            .join(flags, on="request_id", how="left")
-            .group_by(_KEYS)
+    rows = block_outcomes.with_columns(pl.col("replica").cast(pl.Utf8).fill_null(""))
+    # Most ledgers have no incomplete request: then no block is, and no join by request id is needed.
+    rows = (rows.join(flags, on="request_id", how="left") if flags["events_incomplete"].any()
+            else rows.with_columns(events_incomplete=pl.lit(False)))
+    return (rows.group_by(_KEYS)
             .agg(blocks=pl.len().cast(pl.Int64), tokens=pl.col("tokens").cast(SUM_DTYPE).sum(),
                  bytes=pl.col("bytes").cast(SUM_DTYPE).sum(),
                  events_incomplete=pl.col("events_incomplete").any())
