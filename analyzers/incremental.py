@@ -65,15 +65,20 @@ keeps its sample heap). Global, recomputed from stored rows: ``scenarios``, ``la
 (quantiles), ``warmup``, ``prefix_ranking``, ``crossover``, ``capacity``, ``reconciliation``,
 ``hygiene``, ``isolation_findings``, ``ttl_coverage`` (needs each access's next access). Measured
 on the 4,000-request ``rr2`` lake of tests/bench/bench_incremental.py, the 6th of 6 increments of
-equal rows (one in-process ``kvlens analyze`` of 1.10 s, the ledger, flows, reuse, request_ledger
-and fanout continued): the ledger and request ledger 0.21 s, flows 0.15 s (its state keeps the
-latest store of every block and location: a later read may still be matched to it, so it is as
-large as the blocks ever stored), reuse 0.12 s (with the whole ``requests`` stream mrc and
-ttl_coverage read), isolation_findings 0.09 s (its distinct keys read every stored event),
-prefix_ranking 0.05 s, ttl_coverage 0.05 s, tier_payoff 0.05 s, warmup 0.05 s; the DB's commit
-and checkpoint 0.08 s (0.05 s for the 1st increment's new file). All of an analysis' writes are
-one transaction, the states are packed and read back on a worker thread, and the previous DB is
-checked on its copy.
+equal rows (one in-process ``kvlens analyze`` of 1.49 s against 0.92 s for the 1st, on a machine
+slower that day than the 1.10 s this paragraph said before; the ledger, flows, reuse,
+request_ledger and fanout continued): the ledger and request ledger 0.28 s, flows 0.19 s (its state
+keeps the latest store of every block and location: a later read may still be matched to it, so
+it is as large as the blocks ever stored), reuse 0.14 s with its access stream (mrc and
+ttl_coverage read the whole ``requests`` stream), isolation_findings 0.11 s (its distinct keys
+read every stored event), tier_payoff 0.07 s, warmup 0.06 s, prefix_ranking 0.04 s, ttl_coverage
+0.03 s; the DB's commit and checkpoint 0.13 s (0.08 s for the 1st increment's new file). Continuing
+has a cost of its own, whatever the history: the 2nd increment took 1.15 s against the 1st's
+0.77 s in the same minutes (the ledger's continuation 0.19 s to 0.26 s against 0.13 s for a full
+replay of as many rows: its checks, the requests after the checkpoint found by a semi-join in
+DuckDB, the previous rows read back; the deletes in the copy and a checkpoint that rewrites a
+partly filled row group). All of an analysis' writes are one transaction, the states are packed
+and read back on a worker thread, and the previous DB is checked on its copy.
 
 The state is the table ``kvlens_state`` of the analysis DB (and ``kvlens_ledger``,
 ``kvlens_flows``, ``kvlens_reuse`` and ``kvlens_scans``, the analyzers' own states), written in the
