@@ -222,7 +222,10 @@ def test_analyze_on_a_ray_cluster_of_two_workers(demo_workdir: Path, tmp_path: P
     _write_clear(lake)
     _analyze(lake, tmp_path / "one.duckdb")
     ray_cli = str(Path(sys.executable).with_name("ray"))
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32)}
+    # Workers at the test's priority, not Ray's default niceness 15: on a busy machine those get a
+    # sliver of a CPU (analyzers/ray_runner.py).
+    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(32),
+           "RAY_worker_niceness": "0"}
     before = _ray_processes()
     port = _free_port()
     started = subprocess.run([ray_cli, "start", "--head", f"--port={port}", "--num-cpus=2",
@@ -252,6 +255,7 @@ def test_analyze_on_a_ray_cluster_of_two_workers(demo_workdir: Path, tmp_path: P
 
 
 _FAILING_TASK = """
+import os
 import sys
 from kvlens.analyzers.ray_runner import ray_partitions
 from kvlens.errors import KvlensError
@@ -261,7 +265,12 @@ def boom(p):
         raise RuntimeError("partition one is broken")
     return (p,)
 
+def niceness(p):
+    import os
+    return os.nice(0)
+
 with ray_partitions(None, 3) as parts:
+    print("niceness", os.nice(0), sorted(set(parts.run(niceness, [(0,), (1,), (2,)]))))
     try:
         list(parts.run(boom, [(0,), (1,), (2,)]))
     except KvlensError as e:
@@ -272,12 +281,15 @@ with ray_partitions(None, 3) as parts:
 
 def test_a_failed_ray_task_is_one_clear_error(tmp_path: Path) -> None:
     """A partition whose task raises (or whose worker dies) ends the run with one error naming the
-    partition and what to do, and the local cluster is still shut down."""
+    partition and what to do, and the local cluster is still shut down. Its workers run at the
+    command's priority (not Ray's default niceness 15, which starves them on a busy machine)."""
     pytest.importorskip("ray", reason="the ray extra is installed by make test")
     before = _ray_processes()
     done = subprocess.run([sys.executable, "-c", _FAILING_TASK], capture_output=True, text=True, timeout=600,
                           cwd=tmp_path)
     assert done.returncode == 3, done.stderr[-3000:]
+    own = os.nice(0)
+    assert f"niceness {own} [{own}]" in done.stdout, done.stdout[-3000:]
     assert "partition 2 failed on Ray (local cluster" in done.stdout
     assert "partition one is broken" in done.stdout and "without --ray" in done.stdout
     _no_ray_left(before)
