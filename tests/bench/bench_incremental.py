@@ -68,31 +68,25 @@ def _analyze(lake: Path, db: Path, mode: str) -> Run:
     return Run(float(got["s"]), got["rss"] / 2**20, tuple(got["modes"]))
 
 
-def _best(lake: Path, db: Path, mode: str) -> Run:
-    """The fastest of ``REPEATS`` runs, each from the same previous DB (the machine is shared:
-    the minimum is the least disturbed), with the highest peak RSS among them."""
-    before = db.with_name(db.name + ".before")
-    existed = db.exists()
-    if existed:
-        shutil.copyfile(db, before)
-    runs = []
-    for _ in range(REPEATS):
-        if existed:
-            shutil.copyfile(before, db)
-        else:
-            db.unlink(missing_ok=True)
-        runs.append(_analyze(lake, db, mode))
-    before.unlink(missing_ok=True)
-    fastest = min(runs, key=lambda r: r.seconds)
-    return fastest._replace(rss_mib=max(r.rss_mib for r in runs))
-
-
-def _again(lake: Path, before: Path | None, db: Path) -> Run:
-    """One analysis of ``lake`` from a copy of ``before`` (None: no previous DB)."""
+def _again(lake: Path, before: Path | None, db: Path, mode: str = "incremental") -> Run:
+    """One analysis of ``lake`` into ``db`` from a copy of ``before`` (None: no previous DB)."""
     db.unlink(missing_ok=True)
     if before is not None:
         shutil.copyfile(before, db)
-    return _analyze(lake, db, "incremental")
+    return _analyze(lake, db, mode)
+
+
+def _best(lake: Path, db: Path, mode: str) -> Run:
+    """The fastest of ``REPEATS`` runs, each from the same previous DB (the machine is shared:
+    the minimum is the least disturbed), with the highest peak RSS among them."""
+    before = db.with_name(db.name + ".before") if db.exists() else None
+    if before is not None:
+        shutil.copyfile(db, before)
+    runs = [_again(lake, before, db, mode) for _ in range(REPEATS)]
+    if before is not None:
+        before.unlink()
+    fastest = min(runs, key=lambda r: r.seconds)
+    return fastest._replace(rss_mib=max(r.rss_mib for r in runs))
 
 
 def main() -> bool:
