@@ -142,11 +142,11 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     flows_resume = ready(plan.flows_resume)
     continued = (flows_resume if result.appended is not None and plan.resume is not None
                  and flows_resume is not None
-                 and flows_resume.checkpoint_ns == plan.resume.state.checkpoint_ns else None)
+                 and flows_resume.checkpoint_ns == plan.resume.checkpoint_ns else None)
     byte_flows, plan.flows_state = flows_continued(
         block_outcomes=outcomes, request_ledger=per_request, kv_events=events, transfers=transfers,
         scenario=scenario, bytes_per_token=per_token, resume=continued,
-        checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None)
+        checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None, requests=requests)
     yield "flows", byte_flows
     plan.fanout_kept = plan.keep_windows and result.appended is not None
     if plan.fanout_kept and result.appended is not None:

@@ -127,7 +127,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                 else:
                     appended = decision.mode == "appended"
                     plan = LedgerPlan(incremental.horizon(now),
-                                      incremental.resume_of(con, scenario) if appended else None,
+                                      incremental.resume_of(con, scenario, worker) if appended else None,
                                       partitions=_shown(partitions, each, scenario),
                                       flows_resume=(incremental.flows_resume_of(con, scenario, worker)
                                                     if appended else None),
@@ -223,7 +223,7 @@ def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan
     elif result.refused is not None:
         said = f"ledger replayed in full{where}: {result.refused}"
     else:
-        said = (f"ledger continued from its checkpoint at {plan.resume.state.checkpoint_ns} ns, "
+        said = (f"ledger continued from its checkpoint at {plan.resume.checkpoint_ns} ns, "
                 f"{result.replayed:,} requests replayed in this process")
     if decision.mode == "appended":
         said += (f"; reuse continued from its checkpoint at {plan.reuse_since} ns"

@@ -49,6 +49,7 @@ from typing import Literal
 import duckdb
 import polars as pl
 
+from kvlens.analyzers.outcomes import LOOKUP_SQL
 from kvlens.analyzers.state_blob import pack, unpack
 from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
 
@@ -142,9 +143,12 @@ def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.Da
                             .select(*_STORE_COLS, kind=pl.lit("stored"), read="read", known="ended",
                                     known_ts="end_ts"), blocks], how="vertical_relaxed")
     same = pl.all_horizontal(pl.col(k) == pl.col(k).shift(-1) for k in key)
-    blocks = blocks.sort(*key, "n").with_columns(next_n=pl.when(same).then(pl.col("n").shift(-1)),
-                                                 next_kind=pl.when(same).then(pl.col("kind").shift(-1)),
-                                                 next_ts=pl.when(same).then(pl.col("ts_ns").shift(-1)))
+    # Each key's rows together, by event: the hash first, so that the strings are compared only
+    # between rows of one hash (a third of the time of a sort by location first, measured here).
+    blocks = blocks.sort("block_hash", "loc", "tier", "n").with_columns(
+        next_n=pl.when(same).then(pl.col("n").shift(-1)),
+        next_kind=pl.when(same).then(pl.col("kind").shift(-1)),
+        next_ts=pl.when(same).then(pl.col("ts_ns").shift(-1)))
     stores = blocks.filter(pl.col("kind") == "stored")
     clears = ev.filter(pl.col("kind") == "cleared").select("loc", "medium", clear_n="n", clear_ts="ts_ns")
     clears = clears.sort("clear_n")
@@ -308,11 +312,14 @@ def flows(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame, kv_even
 def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFrame,
                     kv_events: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, scenario: str,
                     bytes_per_token: int, window_ns: int = DEFAULT_WINDOW_NS,
-                    resume: FlowsState | None = None,
-                    checkpoint_ns: int | None = None) -> tuple[pl.DataFrame, FlowsState | None]:
+                    resume: FlowsState | None = None, checkpoint_ns: int | None = None,
+                    requests: duckdb.DuckDBPyRelation | None = None
+                    ) -> tuple[pl.DataFrame, FlowsState | None]:
     """``flows``, continued from ``resume`` (the state at the checkpoint the ledger continued from:
     the outcomes of the requests that look up before it are those it was saved with) when it
-    agrees, and the state at ``checkpoint_ns`` (the ledger's new checkpoint) when given."""
+    agrees, and the state at ``checkpoint_ns`` (the ledger's new checkpoint) when given.
+    ``requests``: the scenario's requests (the ledger's), so that a continued run reads only the
+    loads of the requests it reads again rather than every transfer of the lake."""
     if window_ns <= 0:
         raise ValueError(f"window_ns must be positive, got {window_ns}")
     typical = block_outcomes["tokens"].median() if block_outcomes.height else None
@@ -328,7 +335,13 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
     if since is not None:  # the reads of the requests the ledger replayed, and the open ones
         replayed = request_ledger.filter(since <= _LOOKUP)["request_id"]
         outcomes = block_outcomes.filter(pl.col("request_id").is_in(replayed.implode()))
-    new_reads = _reads(outcomes, request_ledger, transfers)
+    loads = transfers
+    if since is not None and requests is not None:
+        # a superset of the replayed requests (SQL rounds half away from zero: 1 ns of slack);
+        # only their rows join the replayed outcomes
+        again = requests.filter(f"{LOOKUP_SQL} >= {since - 1}").select("request_id")
+        loads = transfers.set_alias("rows").join(again.set_alias("ids"), "request_id", how="semi")
+    new_reads = _reads(outcomes, request_ledger, loads)
     if since is not None:
         new_reads = new_reads.filter(pl.col("lookup_ns") >= since)
     reads = pl.concat([resume.reads, new_reads], how="vertical_relaxed") if resume is not None else new_reads

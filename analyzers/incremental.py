@@ -109,7 +109,7 @@ from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
 from kvlens.analyzers.outcomes import Resume
 from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
 from kvlens.analyzers.scans import SCANS_TABLE, ScanState
-from kvlens.analyzers.state_blob import Pending, ready
+from kvlens.analyzers.state_blob import Pending
 from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
@@ -373,15 +373,24 @@ def _parsed(blob: bytes, parse: Callable[[bytes], T], scenario: str, what: str, 
         return None
 
 
-def resume_of(con: duckdb.DuckDBPyConnection, scenario: str) -> Resume | None:
-    """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any."""
-    state = ready(_state_of(con, LEDGER_TABLE, scenario, LedgerState.from_bytes, "ledger",
-                            "replaying its ledger in full"))
-    if state is None:
+def resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
+              worker: StateWorker | None = None) -> Resume | None:
+    """The ledger state the previous analysis DB saved for ``scenario`` and its ledger rows, if any;
+    the state is parsed on ``worker``'s thread when given (the ledger needs only its checkpoint
+    until it has read the new requests), and a state that does not read replays the ledger in
+    full."""
+    if not _previous_has(con, LEDGER_TABLE):
         return None
+    rows = con.execute(f"SELECT checkpoint_ns, state FROM {PREVIOUS}.{LEDGER_TABLE} WHERE scenario = ?",
+                       [scenario]).fetchall()
+    if len(rows) != 1 or rows[0][1] is None:
+        return None
+    (saved_at, blob), = rows
+    state = _read(blob, LedgerState.from_bytes, scenario, "ledger", "replaying its ledger in full", worker)
     mine = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
     return Resume(state, con.table(f"{PREVIOUS}.block_outcomes").filter(mine),
-                  con.table(f"{PREVIOUS}.request_ledger").filter(mine))
+                  con.table(f"{PREVIOUS}.request_ledger").filter(mine),
+                  saved_at=int(saved_at) if saved_at is not None else None)
 
 
 class _Saved(Protocol):
@@ -484,7 +493,8 @@ def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, d
 # inserts its new ones (``delete_requests``). What the DB holds is what a fresh build writes.
 
 
-_BLOCKS_SQL = "SELECT used_blocks, free_blocks FROM pragma_database_size()"
+_BLOCKS_SQL = ("SELECT used_blocks, free_blocks FROM pragma_database_size() "
+               "WHERE database_name = current_database()")
 
 
 def _scoped_tables() -> list[str]:

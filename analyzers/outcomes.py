@@ -41,9 +41,10 @@ from kvlens.analyzers.replay import (
     loc_groups,
     replay_resume,
 )
+from kvlens.analyzers.state_blob import Pending, ready
 from kvlens.schema import Medium
 
-__all__ = ["POOL_LOCATION", "Ledger", "Resume", "block_outcomes", "ledger_outcomes"]
+__all__ = ["LOOKUP_SQL", "POOL_LOCATION", "Ledger", "Resume", "block_outcomes", "ledger_outcomes"]
 
 # Replay tiers: 0 the GPU (and the pool's one tier, and an unknown medium), 1 CPU, 2 disk.
 _TIER_CODES = {Medium.CPU.value: 1, Medium.DISK.value: 2}
@@ -53,7 +54,7 @@ _KIND_CODES = {"stored": 0, "removed": 1, "cleared": 2}
 # The shared pool's location name (the simulator's pool replica, and where pool-medium events go).
 POOL_LOCATION = Medium.POOL.value
 # A request's look-up time in SQL (``_needed`` computes it in Polars).
-_LOOKUP_SQL = "(arrival_ns + CAST(round(coalesce(queue_ms, 0) * 1e6) AS BIGINT))"
+LOOKUP_SQL = "(arrival_ns + CAST(round(coalesce(queue_ms, 0) * 1e6) AS BIGINT))"
 # vLLM's KVCacheSpecKind values with a sliding window (vllm/v1/kv_cache_interface.py).
 _SLIDING_KINDS = ("sliding_window", "sliding_window_mla")
 
@@ -79,8 +80,10 @@ class _Codes:
                 self.names.append(name)
         return names.replace_strict(self.index, default=null, return_dtype=pl.Int32).to_numpy()
 
-    def decode(self, codes: np.ndarray) -> list[str | None]:
-        return [self.names[c] if c >= 0 else None for c in codes.tolist()]
+    def decode(self, codes: np.ndarray) -> pl.Series:
+        """The names of ``codes`` (NULL for -1), as a String series."""
+        names = pl.Series([*self.names, None], dtype=pl.String)
+        return names.gather(np.where(codes >= 0, codes, len(self.names)))
 
 
 def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes, spaces: _Codes,
@@ -204,10 +207,19 @@ class Resume:
     """What ``ledger_outcomes`` continues from: the saved state and the previous ledger's rows
     of the scenario (a relation in the order they were written)."""
 
-    state: LedgerState
+    state: Pending[LedgerState]  # parsed, or still being parsed on a worker thread (None: unreadable)
     previous: duckdb.DuckDBPyRelation
     # the previous request_ledger rows of the scenario (analyzers/request_ledger.py ``settled``)
     requests: duckdb.DuckDBPyRelation | None = None
+    saved_at: int | None = None  # the state's checkpoint, known before it is parsed
+
+    @property
+    def checkpoint_ns(self) -> int | None:
+        """The saved state's checkpoint (None: its state does not read)."""
+        if self.saved_at is not None:
+            return self.saved_at
+        state = ready(self.state)
+        return state.checkpoint_ns if state is not None else None
 
 
 @dataclass(frozen=True)
@@ -322,11 +334,12 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
                horizon_ns: int | None) -> Ledger:
     """The ledger from ``resume``: its settled rows, and a replay of the requests from its
     checkpoint on, from its state, over the events from the checkpoint on."""
-    st = resume.state
-    t_c = st.checkpoint_ns
+    t_c = resume.checkpoint_ns
+    if t_c is None:
+        raise _CannotContinue("its saved state is unreadable")
     # Every request that may look up from t_c on (SQL rounds half away from zero where Polars
     # rounds half to even: one nanosecond of slack), split exactly once its look-up is computed.
-    is_recent = f"{_LOOKUP_SQL} >= {t_c - 1}"
+    is_recent = f"{LOOKUP_SQL} >= {t_c - 1}"
     recent = requests.filter(is_recent)
     ids = recent.select("request_id")
     # One pass: the recent rows, their distinct ids, every row of an id with a recent row, and the
@@ -344,6 +357,9 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     req, full = _needed(recent, _only(request_blocks, ids), _only(transfers, ids))
     req = req.filter(pl.col("lookup_ns") >= t_c)
     full = full.join(req.select("request_id"), on="request_id", how="semi")
+    st = ready(resume.state)  # (parsed on a worker thread meanwhile, when the caller gave one)
+    if st is None:
+        raise _CannotContinue("its saved state is unreadable")
     locs, spaces = _Codes(st.locations), _Codes(st.namespaces)
     single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy()
@@ -435,9 +451,19 @@ def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray
         st, checkpoint_ns=mark[0], events=mark[1], namespaces=tuple(spaces.names), arrays=arrays,
         prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),
         prefix_specs=json.dumps(_firsts(pl.concat([prefix, specs.head(local)])).rows()),
-        needed=np.union1d(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
+        needed=_with(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
         settled_transfers=settled_transfers,
         claimed=np.union1d(st.claimed, settled).astype(np.int64))
+
+
+def _with(known: np.ndarray, more: np.ndarray) -> np.ndarray:
+    """``np.union1d(known, more)`` for a sorted, unique ``known`` (a state's, as large as the
+    history) and a sorted, unique ``more``: the values not yet there are inserted in place, a
+    copy instead of a sort of both."""
+    at = np.searchsorted(known, more)
+    fresh = (at == known.shape[0]) | (known[np.minimum(at, known.shape[0] - 1)] != more) \
+        if known.shape[0] else np.ones(more.shape[0], bool)
+    return np.insert(known, at[fresh], more[fresh])
 
 
 def _specs_of(saved: str, like: pl.DataFrame) -> pl.DataFrame:
@@ -465,9 +491,9 @@ def _settled_transfers(requests: duckdb.DuckDBPyRelation, transfers: duckdb.Duck
                        *times: int) -> list[int]:
     """Per time ``t`` of ``times``: the loads (``_needed``'s: a block the serving replica received)
     stamped from ``t`` on for requests that may look up before it (with the slack of
-    ``_LOOKUP_SQL``'s rounding: a superset of the settled ones); one query for them all."""
-    settled = (requests.filter(f"{_LOOKUP_SQL} < {max(times) + 1}")
-               .project(f"request_id, replica, {_LOOKUP_SQL} AS lookup").set_alias("r"))
+    ``LOOKUP_SQL``'s rounding: a superset of the settled ones); one query for them all."""
+    settled = (requests.filter(f"{LOOKUP_SQL} < {max(times) + 1}")
+               .project(f"request_id, replica, {LOOKUP_SQL} AS lookup").set_alias("r"))
     loads = (transfers.filter(duckdb.ColumnExpression("ts_ns") >= min(times)).set_alias("t")
              .join(settled, "t.request_id = r.request_id AND t.block_hash IS NOT NULL "
                             "AND (t.replica IS NULL OR t.replica = r.replica)"))
@@ -506,7 +532,7 @@ def _frame(scenario: str, full: pl.DataFrame, outputs: tuple[np.ndarray, ...], g
            bytes_per_token: int, group_bytes_per_token: Sequence[int] | None, locs: _Codes,
            spaces: _Codes) -> pl.DataFrame:
     out, holder, rem_ts, rem_loc, other_ns, cut, groups_served, source = outputs
-    outcome_names = [o.value for o in OUTCOME_CODES]
+    outcome_names = pl.Series([o.value for o in OUTCOME_CODES], dtype=pl.String)
     return pl.DataFrame({
         "scenario": [scenario] * len(full),
         "request_id": full["request_id"],
@@ -514,14 +540,14 @@ def _frame(scenario: str, full: pl.DataFrame, outputs: tuple[np.ndarray, ...], g
         "arrival_ns": full["arrival_ns"],
         "position": full["position"],
         "block_hash": full["block_hash"],
-        "outcome": [outcome_names[c] for c in out.tolist()],
+        "outcome": outcome_names.gather(out),
         "tokens": full["block_tokens"],
         "bytes": _bytes(full["block_tokens"], groups_served, list(group_idx), bytes_per_token,
                         group_bytes_per_token),
-        "holder": pl.Series(locs.decode(holder), dtype=pl.String),
+        "holder": locs.decode(holder),
         "removed_ns": pl.Series(rem_ts, dtype=pl.Int64).replace(-1, None),
-        "remover": pl.Series(locs.decode(rem_loc), dtype=pl.String),
-        "key_diff": pl.Series(spaces.decode(other_ns), dtype=pl.String),
+        "remover": locs.decode(rem_loc),
+        "key_diff": spaces.decode(other_ns),
         "cut_group": pl.Series(np.asarray(group_idx, np.int32)[np.maximum(cut, 0)], dtype=pl.Int32)
         .set(pl.Series(cut < 0), None),
         "reusable": full["reusable"],

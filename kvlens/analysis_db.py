@@ -31,6 +31,15 @@ _MAGIC, _MAGIC_AT = b"DUCK", 8
 
 Compute = Callable[[duckdb.DuckDBPyConnection], Iterable[tuple[str, pl.DataFrame]]]
 
+# Rows per row group of the tables the DB is built with (DuckDB's default: 122,880). An
+# incremental analysis appends to a copy of the previous DB, and a checkpoint rewrites each row
+# group its appends and deletes touched: with the default, that is the whole of a table of up to
+# 122,880 rows however few were appended. Measured on bench_incremental's 6th increment (a
+# quarter of block_outcomes' rows deleted and written again): inserts, commit and checkpoint
+# took 108 ms with the default and 52 ms with this size.
+ROW_GROUP_ROWS = 16_384
+_ALIAS = "analysis"  # the name the DB being built is attached under
+
 
 def _create_tables(con: duckdb.DuckDBPyConnection) -> None:
     for table in ANALYSIS_TABLES:
@@ -115,6 +124,20 @@ def remove_dead_leftovers(db: str | os.PathLike[str]) -> int:
     return remove_dead_tmp(final.parent.glob(f".{glob.escape(final.name)}.*.tmp*"))
 
 
+def _connect(path: Path) -> duckdb.DuckDBPyConnection:
+    """A connection whose current database is the file ``path``, attached with ``ROW_GROUP_ROWS``
+    rows per row group (a setting of the attach, not of the file: every build attaches so) and
+    spilling where a connection to the file itself would (``<path>.tmp``)."""
+    con = duckdb.connect(config={"temp_directory": str(path) + ".tmp"})
+    try:
+        con.execute(f"ATTACH {_quoted(str(path))} AS {_ALIAS} (ROW_GROUP_SIZE {ROW_GROUP_ROWS})")
+        con.execute(f"USE {_ALIAS}")
+    except BaseException:
+        con.close()
+        raise
+    return con
+
+
 def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute, *,
                       base: str | os.PathLike[str] | None = None,
                       accept: Callable[[duckdb.DuckDBPyConnection], bool] | None = None) -> Path:
@@ -133,13 +156,13 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
     try:
         if base is not None:
             shutil.copyfile(base, tmp)
-        con = duckdb.connect(str(tmp))
+        con = _connect(tmp)
         if base is not None and accept is not None and not accept(con):
             con.close()
             for copied in (tmp, tmp.with_name(tmp.name + ".wal")):
                 copied.unlink(missing_ok=True)
             base = None
-            con = duckdb.connect(str(tmp))
+            con = _connect(tmp)
         try:
             # The ledger reads its previous rows back in the order they were written (the default).
             con.execute("SET preserve_insertion_order = true")

@@ -270,10 +270,13 @@ def _grown(events: pl.DataFrame, loads: pl.DataFrame, hits: pl.DataFrame, ends: 
         ledger = seen.select("request_id", "arrival_ns", queue_ms=pl.lit(0.0)).unique("request_id")
         con.register("kv_events", ev)
         con.register("transfers", tr)
+        con.register("requests", ledger)
         args = {"block_outcomes": seen, "request_ledger": ledger, "kv_events": con.table("kv_events"),
                 "transfers": con.table("transfers"), "scenario": "s", "bytes_per_token": PER_TOKEN,
                 "window_ns": 7}
-        got, state = flows_continued(**args, resume=state, checkpoint_ns=at)  # type: ignore[arg-type]
+        # with the requests, a continued run reads only the loads of the requests it reads again
+        got, state = flows_continued(**args, resume=state, checkpoint_ns=at,  # type: ignore[arg-type]
+                                     requests=con.table("requests"))
         state = FlowsState.from_bytes(state.to_bytes()) if state is not None else None
         want = flows(**args)  # type: ignore[arg-type]
         assert got.to_dicts() == want.to_dicts()

@@ -270,15 +270,22 @@ def test_an_incremental_analysis_writes_into_a_copy_of_the_previous_db(
 
     monkeypatch.setattr(analyze, "build_analysis_db", build)
     monkeypatch.setattr(analysis_db, "_insert", insert)
+    # The copy is attached with its row group size (a checkpoint rewrites each row group that
+    # appends and deletes touched, so small ones keep that to what was appended).
+    monkeypatch.setattr(analysis_db, "ROW_GROUP_ROWS", 2048)
     result = analyze_lake(lake, db)
     assert _modes(result) == {"conv": "appended", "rr2": "appended"}
     assert bases == [db.resolve()]
     con = duckdb.connect(str(db), read_only=True)
     try:
         ((rows,),) = con.execute("SELECT count(*) FROM block_outcomes").fetchall()
+        ((largest,),) = con.execute("SELECT max(count) FROM pragma_storage_info('block_outcomes') "
+                                    "WHERE row_group_id = (SELECT max(row_group_id) "
+                                    "FROM pragma_storage_info('block_outcomes'))").fetchall()
     finally:
         con.close()
     assert 0 < written["block_outcomes"] < rows  # the continued ledgers wrote their new rows only
+    assert rows > 2048 and largest <= 2048  # the appended rows are in row groups of 2048
     analyze_lake(lake, full, full=True)
     assert_same_db(db, full)
 
@@ -345,6 +352,27 @@ def test_a_new_file_when_the_previous_cannot_be_the_base(tiny: Path, tmp_path: P
     finally:
         con.close()
     assert free_after < free
+
+
+def test_an_unreadable_ledger_state_replays_the_ledger_in_full(tiny: Path, tmp_path: Path,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """The ledger's state is parsed on a worker thread while the ledger reads the new requests; one
+    that does not read is refused there (the ledger replays in full, saying why) and the DB still
+    equals a full analysis."""
+    lake, db, full, _ = _analyzed_then_grown(tiny, tmp_path)
+    con = duckdb.connect(str(db))
+    try:
+        assert con.execute("SELECT count(*) FROM kvlens_ledger").fetchall() == [(2,)]
+        con.execute("UPDATE kvlens_ledger SET state = '\\x00\\x01'::BLOB")
+    finally:
+        con.close()
+    with caplog.at_level(logging.INFO, logger="kvlens.analyzers"):
+        result = analyze_lake(lake, db)
+    assert set(_modes(result).values()) == {"appended"}
+    assert sum("saved ledger state is unreadable" in r.getMessage() for r in caplog.records) == 2
+    assert all("ledger replayed in full: its saved state is unreadable" in why for _, _, why in result.modes)
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
 
 
 def test_an_unreadable_flows_state_computes_flows_in_full(tiny: Path, tmp_path: Path,

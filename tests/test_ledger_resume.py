@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import duckdb
+import numpy as np
 import polars as pl
 import pytest
 from capture_lines import gateway_lines
@@ -28,7 +29,7 @@ from test_ledger import BLOCK, _blocks, _ev, _request, _write, at
 
 from kvlens.analyzers import admission
 from kvlens.analyzers.ledger_state import LedgerState
-from kvlens.analyzers.outcomes import Ledger, Resume, ledger_outcomes
+from kvlens.analyzers.outcomes import Ledger, Resume, _with, ledger_outcomes
 from kvlens.cli import cli
 from kvlens.lake import open_lake
 from kvlens.schema import TABLES
@@ -227,3 +228,14 @@ def test_the_runs_settled_requests_claimed_stay_theirs(tmp_path: Path,
     assert resumed.refused is None and resumed.replayed == 2  # Y and Z
     y = full.frame.filter(pl.col("request_id") == "Y").row(0, named=True)
     assert (y["outcome"], y["holder"]) == ("miss_routing", "r1")
+
+
+@given(known=st.sets(st.integers(-2**63, 2**63 - 1), max_size=30),
+       more=st.sets(st.integers(-2**63, 2**63 - 1), max_size=30), shared=st.integers(0, 10))
+def test_the_needed_hashes_grow_as_a_union(known: set[int], more: set[int], shared: int) -> None:
+    """A state's needed hashes (sorted, unique, as large as the history) take the next ones by
+    insertion, not by a sort of both: the result is np.union1d's, at the ends, with repeats, empty."""
+    more |= set(sorted(known)[:shared])
+    a, b = np.array(sorted(known), np.int64), np.array(sorted(more), np.int64)
+    got = _with(a, b)
+    assert got.dtype == np.int64 and np.array_equal(got, np.union1d(a, b))
