@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.analyzers.reuse import reuse, reuse_distances
+from kvlens.analyzers.reuse import _by_stream, reuse, reuse_distances
 from kvlens.schema import REUSE
 
 
@@ -294,3 +294,16 @@ def test_an_event_without_a_time_sorts_last_with_no_interval() -> None:
                 bytes_per_token=2, scenario="s", requests=con.from_arrow(req.to_arrow()))
     fleet = out.filter(pl.col("stream") == "fleet").sort("ts_ns", nulls_last=True)
     assert fleet.select("ts_ns", "distance_blocks", "interval_ns").rows() == [(30, 1, 20), (None, 1, None)]
+
+
+@given(streams=st.lists(st.sampled_from(["fleet", "replica:r0", "replica:r1"]), max_size=30))
+def test_a_states_stacks_are_cut_per_stream_in_runs_or_grouped(streams: list[str]) -> None:
+    """Each stream's rows, in order, whether the stacks hold each stream in one run (as a state
+    writes them) or interleaved."""
+    stacks = pl.DataFrame({"stream": streams, "block_hash": list(range(len(streams)))},
+                          schema={"stream": pl.String, "block_hash": pl.UInt64})
+    for frame in (stacks, stacks.sort("stream", maintain_order=True)):
+        got = _by_stream(frame)
+        assert sorted(got) == sorted(set(streams))
+        for name, part in got.items():
+            assert part.to_dicts() == frame.filter(pl.col("stream") == name).to_dicts()
