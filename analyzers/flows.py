@@ -49,7 +49,7 @@ from typing import Literal
 import duckdb
 import polars as pl
 
-from kvlens.analyzers.outcomes import LOOKUP_SQL
+from kvlens.analyzers.outcomes import LOOKUP_SQL, in_order
 from kvlens.analyzers.state_blob import pack, unpack
 from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
 
@@ -115,7 +115,11 @@ def _events(kv_events: duckdb.DuckDBPyRelation, bytes_per_token: int, block_toke
             first: int = 0) -> pl.DataFrame:
     """The events in stream order, numbered from ``first`` (``n``)."""
     ev = kv_events.select("ts_ns", "seq", "replica", "kind", "block_hash", "medium", "block_tokens").pl()
-    ev = ev.with_row_index("ord").sort("ts_ns", "seq", "ord").with_row_index("n", offset=first)
+    # A scan in stream order is not sorted again (NULL times or sequences sort first: sorted).
+    nulls = ev["ts_ns"].null_count() or ev["seq"].null_count()
+    if nulls or not in_order(ev["ts_ns"].to_numpy(), ev["seq"].to_numpy()):
+        ev = ev.with_row_index("ord").sort("ts_ns", "seq", "ord").drop("ord")
+    ev = ev.with_row_index("n", offset=first)
     medium = pl.col("medium").cast(pl.Utf8)
     nbytes = pl.col("block_tokens").fill_null(block_tokens).cast(pl.Int64) * bytes_per_token
     return ev.select(

@@ -44,7 +44,7 @@ from kvlens.analyzers.replay import (
 from kvlens.analyzers.state_blob import Pending, ready
 from kvlens.schema import Medium
 
-__all__ = ["LOOKUP_SQL", "POOL_LOCATION", "Ledger", "Resume", "block_outcomes", "ledger_outcomes"]
+__all__ = ["LOOKUP_SQL", "POOL_LOCATION", "Ledger", "Resume", "block_outcomes", "in_order", "ledger_outcomes"]
 
 # Replay tiers: 0 the GPU (and the pool's one tier, and an unknown medium), 1 CPU, 2 disk.
 _TIER_CODES = {Medium.CPU.value: 1, Medium.DISK.value: 2}
@@ -96,8 +96,9 @@ def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes, spaces: _Codes,
                           "remaining_copies").pl()
     ev = ev.filter(pl.col("kind").cast(pl.Utf8).is_in(list(_KIND_CODES)))  # inactive changes no residency
     # Stable: events with equal time and sequence keep the order the collector wrote them in.
-    order = np.lexsort((ev["seq"].fill_null(0).to_numpy(), ev["ts_ns"].fill_null(0).to_numpy()))
-    ev = ev[order]
+    seq, ts = ev["seq"].fill_null(0).to_numpy(), ev["ts_ns"].fill_null(0).to_numpy()
+    if not in_order(ts, seq):  # (a lake's scan usually is: its segments are written in time order)
+        ev = ev[np.lexsort((seq, ts))]
     medium = ev["medium"].cast(pl.Utf8)
     tier = medium.replace_strict(_TIER_CODES, default=0, return_dtype=pl.Int8).fill_null(0).to_numpy().copy()
     kind = ev["kind"].cast(pl.Utf8).replace_strict(_KIND_CODES, return_dtype=pl.Int8).to_numpy()
@@ -124,6 +125,14 @@ def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes, spaces: _Codes,
         "ev_seq": ev["seq"].fill_null(0).cast(pl.Int64).to_numpy(),
         "ev_parent": _u64_as_i64(ev["parent_hash"]),
     }, ev.select("loc", "group_idx", pl.col("spec_kind").cast(pl.Utf8), "sliding_window_tokens"), known
+
+
+def in_order(ts: np.ndarray, seq: np.ndarray) -> bool:
+    """Whether rows are already sorted by (``ts``, ``seq``): a stable sort would not move them."""
+    if ts.shape[0] < 2:
+        return True
+    a, b = ts[:-1], ts[1:]  # (compared, not subtracted: unsigned sequences would wrap)
+    return bool((b >= a).all() and (seq[1:] >= seq[:-1])[b == a].all())
 
 
 def _firsts(specs: pl.DataFrame) -> pl.DataFrame:
