@@ -124,15 +124,22 @@ def _f(g: Group, key: str) -> float:
     return float(g[key])
 
 
-def _terms(g: Group, costs: CostModel) -> Group:
-    """Per group: the path, per-load figures and the gross benefit (before displacement)."""
+def _terms(g: Group, costs: CostModel, seen: dict[tuple[Any, ...], Any] | None = None) -> Group:
+    """Per group: the path, per-load figures and the gross benefit (before displacement).
+    ``seen``: the cost model's answers so far (groups repeat segment sizes and starts; the model
+    interpolates in Python, once per distinct question then)."""
     seg_tokens, seg_bytes = _i(g, "segment_tokens"), _i(g, "segment_bytes")
     path = LoadPath.LOCAL_TIER if g["replicas"] == 1 else LoadPath.POOL
-    saved, rec_label = costs.saved_recompute_ms(seg_tokens, _i(g, "start_tokens"))
-    remote, remote_label = costs.remote_ms(seg_bytes, path)
+    seen = {} if seen is None else seen
+    start = _i(g, "start_tokens")
+    if (asked := ("recompute", seg_tokens, start)) not in seen:
+        seen[asked] = costs.saved_recompute_ms(seg_tokens, start)
+    saved, rec_label = seen[asked]
+    if (load := ("load", seg_bytes, path)) not in seen:
+        seen[load] = (costs.remote_ms(seg_bytes, path), costs.write_ms(seg_bytes, path)[0])
+    (remote, remote_label), write = seen[load]
     served = _i(g, "miss_routing_tokens") + _i(g, "miss_evicted_tokens") + _i(g, "hit_remote_tokens")
     loads = served / seg_tokens
-    write, _ = costs.write_ms(seg_bytes, path)
     return {"path": str(path), "recompute_ms": saved, "recompute_label": str(rec_label),
             "remote_ms": remote, "remote_label": str(remote_label),
             "h_remote_ratio": loads / _i(g, "requests"),
@@ -199,8 +206,9 @@ def prefix_ranking(*, block_outcomes: pl.DataFrame, costs: CostModel, scenario: 
     rows = block_outcomes.select("request_id", "replica", "arrival_ns", "position", "block_hash",
                        pl.col("outcome").cast(pl.String), "tokens", "bytes")
     groups = _groups(_segments(rows)).filter(pl.col("segment_tokens") > 0).to_dicts()
+    seen: dict[tuple[Any, ...], Any] = {}
     for g in groups:
-        g.update(_terms(g, costs))
+        g.update(_terms(g, costs, seen))
     _eviction(groups, costs.device.pool_capacity_bytes)
     groups.sort(key=lambda g: (-_f(g, "benefit_ms"), _i(g, "prefix_hash")))
     top = groups[:top_n]

@@ -241,8 +241,8 @@ def test_the_needed_hashes_grow_as_a_union(known: set[int], more: set[int], shar
     assert got.dtype == np.int64 and np.array_equal(got, np.union1d(a, b))
 
 
-@given(rows=st.lists(st.tuples(st.integers(-3, 3), st.sampled_from([0, 1, 2, 2**63, 2**64 - 1])), max_size=12),
-       presort=st.booleans())
+@given(rows=st.lists(st.tuples(st.integers(-3, 3), st.sampled_from([0, 1, 2, 2**63, 2**64 - 1])),
+                     max_size=12), presort=st.booleans())
 def test_events_in_stream_order_are_told_apart(rows: list[tuple[int, int]], presort: bool) -> None:
     """The ledger and flows skip their sort of the events when a stable sort by (time, sequence)
     would not move them: exactly then, unsigned sequences past 2**63 too."""
