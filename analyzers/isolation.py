@@ -157,6 +157,21 @@ def _distinct_keys(rel: duckdb.DuckDBPyRelation, label: str) -> pl.DataFrame:
                     "content_hash", "block_hash").distinct().pl())
 
 
+def _keyed_apart(rel: duckdb.DuckDBPyRelation, label: str, what: str, scans: Scans, name: str,
+                 source: str) -> list[dict[str, object]]:
+    """``_different_keys`` of ``rel``'s labels. Only a content hash keyed to two block hashes can
+    be one: the least and greatest block hash of each content hash are a lake aggregate that
+    continues (``scans``: the next run reads only the new rows), and the distinct keys are read
+    only when some content hash has two (none, in a fleet that keys alike)."""
+    keyed = rel.filter(f"content_hash IS NOT NULL AND {label} IS NOT NULL")
+    spread = scans.aggregate(name, source, keyed, ["content_hash"],
+                             {"lo": ("min(block_hash)", "min"), "hi": ("max(block_hash)", "max")})
+    apart = spread.filter(pl.col("lo") != pl.col("hi")).select("content_hash")
+    if apart.is_empty():
+        return []
+    return _different_keys(_distinct_keys(rel, label).join(apart, on="content_hash", how="semi"), what)
+
+
 def _different_keys(keys: pl.DataFrame, what: str) -> list[dict[str, object]]:
     """Pairs of ``label`` values that keyed the same ``content_hash`` to different block hashes
     (``keys``: ``_distinct_keys``)."""
@@ -239,8 +254,9 @@ def isolation_findings(
         *_cross_salt(scans.aggregate("isolation.salts", "kv_events", stored.filter("extra_key IS NOT NULL"),
                                      ["block_hash", "extra_key"])),
         *_incompatible(block_outcomes, request_blocks, bytes_per_token),
-        *_different_keys(_distinct_keys(stored, "replica"), "replicas"),
-        *_different_keys(_distinct_keys(request_blocks, "namespace"), "namespaces"),
+        *_keyed_apart(stored, "replica", "replicas", scans, "isolation.replica_keys", "kv_events"),
+        *_keyed_apart(request_blocks, "namespace", "namespaces", scans, "isolation.namespace_keys",
+                      "request_blocks"),
         *_block_sizes(request_blocks, stored, scans),
     ]
     return (_rows(rows).with_columns(scenario=pl.lit(scenario))
