@@ -73,9 +73,9 @@ keeps the latest store of every block and location: a later read may still be ma
 it is as large as the blocks ever stored), reuse 0.14 s with its access stream (mrc and
 ttl_coverage read the whole ``requests`` stream), isolation_findings 0.11 s (its distinct keys
 read every stored event; now only when a content hash has two block hashes), tier_payoff 0.07 s,
-warmup 0.06 s, prefix_ranking 0.04 s (0.037 s since it asks the cost model once per distinct
-segment), ttl_coverage 0.03 s; the DB's commit and checkpoint 0.13 s (0.08 s for the 1st increment's new file). Continuing
-has a cost of its own, whatever the history: the 2nd increment took 1.15 s against the 1st's
+warmup 0.06 s, prefix_ranking 0.04 s (its cost model is now asked once per distinct segment),
+ttl_coverage 0.03 s; the DB's commit and checkpoint 0.13 s (0.08 s for the 1st increment's new
+file). Continuing has a cost of its own, whatever the history: the 2nd increment took 1.15 s against the 1st's
 0.77 s in the same minutes (the ledger's continuation 0.19 s to 0.26 s against 0.13 s for a full
 replay of as many rows: its checks, the requests after the checkpoint found by a semi-join in
 DuckDB, the previous rows read back; the deletes in the copy and the checkpoint). A checkpoint
