@@ -345,12 +345,14 @@ def horizon(inputs: Inputs) -> int | None:
     return None if mark is None else mark - LATE_LAG_NS
 
 
-def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> bytes | None:
-    """The one state blob the previous analysis DB saved for ``scenario`` in ``table``, if any."""
+def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> tuple[int | None, bytes] | None:
+    """(checkpoint, blob) of the one state the previous analysis DB saved for ``scenario`` in
+    ``table``, if any."""
     if not _previous_has(con, table):
         return None
-    rows = con.execute(f"SELECT state FROM {PREVIOUS}.{table} WHERE scenario = ?", [scenario]).fetchall()
-    return rows[0][0] if len(rows) == 1 else None
+    rows = con.execute(f"SELECT checkpoint_ns, state FROM {PREVIOUS}.{table} WHERE scenario = ?",
+                       [scenario]).fetchall()
+    return rows[0] if len(rows) == 1 and rows[0][1] is not None else None
 
 
 def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: Callable[[bytes], T],
@@ -358,7 +360,8 @@ def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: 
     """The state blob the previous analysis DB saved for ``scenario`` in ``table``, parsed (on
     ``worker``'s thread when given: the blob is read here); None when there is none, or when it
     does not read (logged, naming ``what`` it is and what is done ``instead``)."""
-    return _read(_saved(con, table, scenario), parse, scenario, what, instead, worker)
+    saved = _saved(con, table, scenario)
+    return _read(saved[1] if saved else None, parse, scenario, what, instead, worker)
 
 
 def _read(blob: bytes | None, parse: Callable[[bytes], T], scenario: str, what: str, instead: str,
@@ -384,13 +387,10 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
     the state is parsed on ``worker``'s thread when given (the ledger needs only its checkpoint
     until it has read the new requests), and a state that does not read replays the ledger in
     full."""
-    if not _previous_has(con, LEDGER_TABLE):
+    saved = _saved(con, LEDGER_TABLE, scenario)
+    if saved is None:
         return None
-    rows = con.execute(f"SELECT checkpoint_ns, state FROM {PREVIOUS}.{LEDGER_TABLE} WHERE scenario = ?",
-                       [scenario]).fetchall()
-    if len(rows) != 1 or rows[0][1] is None:
-        return None
-    (saved_at, blob), = rows
+    saved_at, blob = saved
     state = _read(blob, LedgerState.from_bytes, scenario, "ledger", "replaying its ledger in full", worker)
     mine = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
     return Resume(state, con.table(f"{PREVIOUS}.block_outcomes").filter(mine),
@@ -457,12 +457,12 @@ def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
     """reuse's state the previous analysis DB saved for ``scenario``, if any (and readable), with
     the count of its `reuse` rows before the state's checkpoint (they stay in the DB); read on
     ``worker``'s thread when given."""
-    blob = _saved(con, REUSE_STATE_TABLE, scenario)
-    if blob is None:
+    saved = _saved(con, REUSE_STATE_TABLE, scenario)
+    if saved is None:
         return None
-    at = f"SELECT max(checkpoint_ns) FROM {PREVIOUS}.{REUSE_STATE_TABLE} WHERE scenario = ?"
-    ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ({at})",
-                             [scenario, scenario]).fetchall()
+    at, blob = saved
+    ((kept,),) = con.execute(f"SELECT count(*) FROM {PREVIOUS}.reuse WHERE scenario = ? AND ts_ns < ?",
+                             [scenario, at]).fetchall()
 
     def parse(data: bytes) -> ReuseState:
         return dataclasses.replace(ReuseState.from_bytes(data), kept_rows=int(kept))

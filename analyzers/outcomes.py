@@ -469,9 +469,10 @@ def _with(known: np.ndarray, more: np.ndarray) -> np.ndarray:
     """``np.union1d(known, more)`` for a sorted, unique ``known`` (a state's, as large as the
     history) and a sorted, unique ``more``: the values not yet there are inserted in place, a
     copy instead of a sort of both."""
+    if not known.shape[0]:
+        return more.astype(known.dtype)
     at = np.searchsorted(known, more)
-    fresh = (at == known.shape[0]) | (known[np.minimum(at, known.shape[0] - 1)] != more) \
-        if known.shape[0] else np.ones(more.shape[0], bool)
+    fresh = (at == known.shape[0]) | (known[np.minimum(at, known.shape[0] - 1)] != more)
     return np.insert(known, at[fresh], more[fresh])
 
 

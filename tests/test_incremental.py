@@ -354,18 +354,23 @@ def test_a_new_file_when_the_previous_cannot_be_the_base(tiny: Path, tmp_path: P
     assert free_after < free
 
 
+def _corrupt_states(db: Path, table: str) -> None:
+    """Overwrite the state blob of both scenarios in ``table`` of ``db`` with bytes that do not read."""
+    con = duckdb.connect(str(db))
+    try:
+        assert con.execute(f"SELECT count(*) FROM {table}").fetchall() == [(2,)]
+        con.execute(f"UPDATE {table} SET state = '\\x00\\x01'::BLOB")
+    finally:
+        con.close()
+
+
 def test_an_unreadable_ledger_state_replays_the_ledger_in_full(tiny: Path, tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
     """The ledger's state is parsed on a worker thread while the ledger reads the new requests; one
     that does not read is refused there (the ledger replays in full, saying why) and the DB still
     equals a full analysis."""
     lake, db, full, _ = _analyzed_then_grown(tiny, tmp_path)
-    con = duckdb.connect(str(db))
-    try:
-        assert con.execute("SELECT count(*) FROM kvlens_ledger").fetchall() == [(2,)]
-        con.execute("UPDATE kvlens_ledger SET state = '\\x00\\x01'::BLOB")
-    finally:
-        con.close()
+    _corrupt_states(db, "kvlens_ledger")
     with caplog.at_level(logging.INFO, logger="kvlens.analyzers"):
         result = analyze_lake(lake, db)
     assert set(_modes(result).values()) == {"appended"}
@@ -378,12 +383,7 @@ def test_an_unreadable_ledger_state_replays_the_ledger_in_full(tiny: Path, tmp_p
 def test_an_unreadable_flows_state_computes_flows_in_full(tiny: Path, tmp_path: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
     lake, db, full, _ = _analyzed_then_grown(tiny, tmp_path)
-    con = duckdb.connect(str(db))
-    try:
-        assert con.execute("SELECT count(*) FROM kvlens_flows").fetchall() == [(2,)]
-        con.execute("UPDATE kvlens_flows SET state = '\\x00\\x01'::BLOB")
-    finally:
-        con.close()
+    _corrupt_states(db, "kvlens_flows")
     with caplog.at_level(logging.WARNING, logger="kvlens.analyzers.incremental"):
         assert set(_modes(analyze_lake(lake, db)).values()) == {"appended"}
     assert sum("saved flows state is unreadable" in r.getMessage() for r in caplog.records) == 2
