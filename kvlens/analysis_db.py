@@ -18,7 +18,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from kvlens.commit import remove_dead_tmp, tmp_name
+from kvlens.commit import fsync_dir, remove_dead_tmp, tmp_name
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import create_enum_types, open_lake
 from kvlens.schema import ANALYSIS_TABLES, SCHEMA_VERSION, TABLES
@@ -127,8 +127,15 @@ def remove_dead_leftovers(db: str | os.PathLike[str]) -> int:
 def _connect(path: Path) -> duckdb.DuckDBPyConnection:
     """A connection whose current database is the file ``path``, attached with ``ROW_GROUP_ROWS``
     rows per row group (a setting of the attach, not of the file: every build attaches so) and
-    spilling where a connection to the file itself would (``<path>.tmp``)."""
-    con = duckdb.connect(config={"temp_directory": str(path) + ".tmp"})
+    spilling where a connection to the file itself would (``<path>.tmp``).
+
+    DuckDB does not sync its writes here (``fsync_mode`` NONE): the file is a temporary one, which
+    no reader opens and a killed build leaves to be removed, so its commits need no durability of
+    their own; ``build_analysis_db`` syncs the finished file once before renaming it into place,
+    and the directory after. Measured on the 6th of 6 increments of a steady 8-replica fleet
+    (tests/bench/bench_incremental.py; a copy of the previous DB, appended to): commit, checkpoint
+    and sync took 66 ms with DuckDB's syncs and 54 ms so (the 1st increment, a new file: 30 and 26)."""
+    con = duckdb.connect(config={"temp_directory": str(path) + ".tmp", "fsync_mode": "NONE"})
     try:
         con.execute(f"ATTACH {_quoted(str(path))} AS {_ALIAS} (ROW_GROUP_SIZE {ROW_GROUP_ROWS})")
         con.execute(f"USE {_ALIAS}")
@@ -136,6 +143,14 @@ def _connect(path: Path) -> duckdb.DuckDBPyConnection:
         con.close()
         raise
     return con
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute, *,
@@ -178,7 +193,11 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
             con.execute("CHECKPOINT")
         finally:
             con.close()
+        # Write, sync, rename, sync the directory: a reader of ``final`` sees the old file or the
+        # whole new one, also after a crash of the machine (DuckDB did not sync, see _connect).
+        _fsync_file(tmp)
         os.replace(tmp, final)
+        fsync_dir(final.parent)
     finally:
         for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
             leftover.unlink(missing_ok=True)
