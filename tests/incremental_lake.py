@@ -35,9 +35,9 @@ WHERE len(?::VARCHAR[]) = 0 OR list_contains(?::VARCHAR[], scenario)
 _UNSTABLE = {("scenarios", "analyzed_ns")}
 
 
-def source_lake(root: Path, *, requests: int = 300, simulated: str = "rr2") -> Path:
+def source_lake(root: Path, *, requests: int = 300, simulated: str = "rr2", fleet: SimConfig = FLEET) -> Path:
     """A lake with the first ``requests`` lines of the sample trace (scenario ``conv``) and
-    ``FLEET`` serving them (scenario ``simulated``: requests, blocks, KV events, transfers)."""
+    ``fleet`` serving them (scenario ``simulated``: requests, blocks, KV events, transfers)."""
     root.mkdir(parents=True, exist_ok=True)
     trace = root / "trace.jsonl"
     with gzip.open(SAMPLE_TRACE, "rt") as f, open(trace, "w") as out:
@@ -52,7 +52,7 @@ def source_lake(root: Path, *, requests: int = 300, simulated: str = "rr2") -> P
         blocks = con.sql("SELECT * FROM request_blocks WHERE scenario = 'conv'").pl()
     finally:
         con.close()
-    result = simulate(requests=reqs, request_blocks=blocks, config=FLEET, model=get_model(DEMO_MODEL))
+    result = simulate(requests=reqs, request_blocks=blocks, config=fleet, model=get_model(DEMO_MODEL))
     write_scenario(lake, simulated, {k: v.to_arrow() for k, v in result.tables.items()}, writer_id="sim")
     return lake
 
