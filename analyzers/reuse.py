@@ -422,13 +422,19 @@ def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.
         return rows, None
     # in stream order, so the accesses before the cut come first (unstamped ones sort last)
     settled = m + int((ts.slice(m) < cut_ns).sum())
-    return rows, _last_accesses(name, keys[:settled], sizes[:settled], ts.slice(0, settled))
+    return rows, _last_accesses(name, keys, sizes, ts, d.prev, settled)
 
 
-def _last_accesses(name: str, keys: np.ndarray, sizes: np.ndarray, ts: pl.Series) -> pl.DataFrame:
-    """stream, block_hash, size, ts_ns: each key once, at its last access, in the order of those."""
-    _, first_in_reverse = np.unique(keys[::-1], return_index=True)
-    last = np.sort(keys.shape[0] - 1 - first_in_reverse)
+def _last_accesses(name: str, keys: np.ndarray, sizes: np.ndarray, ts: pl.Series, prev: np.ndarray,
+                   n: int) -> pl.DataFrame:
+    """stream, block_hash, size, ts_ns: each key of the first ``n`` accesses once, at its last
+    access among them, in the order of those. ``prev``: each access's previous access to its key
+    (``Distances.prev``): an access is a key's last unless a later one of the ``n`` names it (no
+    sort of the keys: a stream's keys grow with the lake's age)."""
+    later = prev[:n]
+    last = np.ones(n, bool)
+    last[later[later >= 0]] = False
+    last = np.flatnonzero(last)
     return pl.DataFrame({"block_hash": pl.Series(keys[last], dtype=pl.UInt64),
                          "size": pl.Series(sizes[last], dtype=pl.Int64),
                          "ts_ns": ts.cast(pl.Int64).gather(last)}).select(

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.analyzers.reuse import _by_stream, reuse, reuse_distances
+from kvlens.analyzers.reuse import _by_stream, _last_accesses, reuse, reuse_distances
 from kvlens.schema import REUSE
 
 
@@ -307,3 +307,19 @@ def test_a_states_stacks_are_cut_per_stream_in_runs_or_grouped(streams: list[str
         assert sorted(got) == sorted(set(streams))
         for name, part in got.items():
             assert part.to_dicts() == frame.filter(pl.col("stream") == name).to_dicts()
+
+
+@settings(deadline=None)  # (the first example loads the distance kernels)
+@given(keys=st.lists(st.integers(0, 6), max_size=40), cut=st.integers(0, 40))
+def test_a_stacks_last_accesses_are_each_keys_latest_before_the_cut(keys: list[int], cut: int) -> None:
+    """A saved stack: each key of the first ``cut`` accesses once, at its last access among them
+    (its size and time there), in the order of those accesses."""
+    n = min(cut, len(keys))
+    arr = np.array(keys, np.uint64)
+    sizes = np.arange(len(keys), dtype=np.int64) * 10 + 1  # a size and a time per access
+    ts = pl.Series(np.arange(len(keys), dtype=np.int64) * 100)
+    got = _last_accesses("fleet", arr, sizes, ts, reuse_distances(arr, sizes).prev, n)
+    last = {k: i for i, k in enumerate(keys[:n])}  # each key's latest index before the cut
+    order = sorted(last.values())
+    assert got.columns == ["stream", "block_hash", "size", "ts_ns"]
+    assert got.rows() == [("fleet", keys[i], int(sizes[i]), i * 100) for i in order]
