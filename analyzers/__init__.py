@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import duckdb
 import polars as pl
@@ -73,6 +73,9 @@ class LedgerPlan:
     scans_resume: Pending[ScanState] = None  # the lake aggregates' state (analyzers/scans.py)
     scans_state: ScanState | None = None  # set: their state at ``horizon_ns``
     scans_said: str | None = None  # set when given a state: whether they continued, and why not
+    # Per lake table: before this time its rows are those the saved states were computed from
+    # (incremental.new_rows_from), so their counts of rows before a checkpoint need no scan.
+    unchanged_before: dict[str, int] = field(default_factory=dict)
 
 
 def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> duckdb.DuckDBPyRelation:
@@ -135,7 +138,8 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     yield "request_ledger", per_request
     yield "hygiene", hygiene(request_blocks=blocks, scenario=scenario, bytes_per_token=per_token)
     scans = Scans({"kv_events": (events, "ts_ns"), "request_blocks": (blocks, "arrival_ns")},
-                  scans_resume := ready(plan.scans_resume), plan.horizon_ns)
+                  scans_resume := ready(plan.scans_resume), plan.horizon_ns,
+                  unchanged_before=plan.unchanged_before)
     yield "isolation_findings", isolation_findings(
         requests=requests, request_blocks=blocks, kv_events=events, block_outcomes=outcomes,
         scenario=scenario, bytes_per_token=per_token, scans=scans)
@@ -146,7 +150,8 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     byte_flows, plan.flows_state = flows_continued(
         block_outcomes=outcomes, request_ledger=per_request, kv_events=events, transfers=transfers,
         scenario=scenario, bytes_per_token=per_token, resume=continued,
-        checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None, requests=requests)
+        checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None, requests=requests,
+        events_unchanged_before=plan.unchanged_before.get("kv_events"))
     yield "flows", byte_flows
     plan.fanout_kept = plan.keep_windows and result.appended is not None
     if plan.fanout_kept and result.appended is not None:
@@ -177,9 +182,11 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
                            if scans.resume is not None
                            else f"lake aggregates computed in full: {scans.refused}")
     reuse_resume = ready(plan.reuse_resume)
-    stream = access_stream(blocks, scenario, per_token, requests, prior=reuse_resume)
+    stream = access_stream(blocks, scenario, per_token, requests, prior=reuse_resume,
+                           unchanged_before=plan.unchanged_before.get("request_blocks"))
     reused = reuse_continued(kv_events=events, bytes_per_token=per_token, scenario=scenario, stream=stream,
-                             resume=reuse_resume, checkpoint_ns=plan.horizon_ns)
+                             resume=reuse_resume, checkpoint_ns=plan.horizon_ns,
+                             events_unchanged_before=plan.unchanged_before.get("kv_events"))
     plan.reuse_state, plan.reuse_since, plan.reuse_refused = reused.state, reused.since, reused.refused
     yield "reuse", reused.frame
     curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,

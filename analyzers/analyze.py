@@ -137,7 +137,9 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                                                     if appended and base is not None and not join else None),
                                       scans_resume=(incremental.scans_resume_of(con, scenario, worker)
                                                     if appended else None),
-                                      keep_windows=appended and base is not None and not join)
+                                      keep_windows=appended and base is not None and not join,
+                                      unchanged_before=(incremental.new_rows_from(
+                                          now, before[scenario], scenario) if appended else {}))
                     pairs = analyze_scenario(con, scenario, geometry, cache_tokens=cache_tokens, join=join,
                                              metrics_from=metrics_from, model_source=source, ledger=plan)
                     if base is not None:

@@ -317,18 +317,22 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
                     kv_events: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, scenario: str,
                     bytes_per_token: int, window_ns: int = DEFAULT_WINDOW_NS,
                     resume: FlowsState | None = None, checkpoint_ns: int | None = None,
-                    requests: duckdb.DuckDBPyRelation | None = None
-                    ) -> tuple[pl.DataFrame, FlowsState | None]:
+                    requests: duckdb.DuckDBPyRelation | None = None,
+                    events_unchanged_before: int | None = None) -> tuple[pl.DataFrame, FlowsState | None]:
     """``flows``, continued from ``resume`` (the state at the checkpoint the ledger continued from:
     the outcomes of the requests that look up before it are those it was saved with) when it
     agrees, and the state at ``checkpoint_ns`` (the ledger's new checkpoint) when given.
     ``requests``: the scenario's requests (the ledger's), so that a continued run reads only the
-    loads of the requests it reads again rather than every transfer of the lake."""
+    loads of the requests it reads again rather than every transfer of the lake.
+    ``events_unchanged_before``: a time before which ``kv_events`` holds the rows it held when
+    ``resume`` was saved (analyzers/incremental.py, ``new_rows_from``): with the state's checkpoint
+    at or before it, its count of events is not read again."""
     if window_ns <= 0:
         raise ValueError(f"window_ns must be positive, got {window_ns}")
     typical = block_outcomes["tokens"].median() if block_outcomes.height else None
     typical_tokens = int(typical) if isinstance(typical, int | float) else 16
-    if resume is not None and not _agrees(resume, kv_events, window_ns, bytes_per_token, typical_tokens):
+    if resume is not None and not _agrees(resume, kv_events, window_ns, bytes_per_token, typical_tokens,
+                                          events_unchanged_before):
         resume = None
     first, since = (resume.events, resume.checkpoint_ns) if resume is not None else (0, None)
     if since is not None:
@@ -368,13 +372,15 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
 
 
 def _agrees(st: FlowsState, kv_events: duckdb.DuckDBPyRelation, window_ns: int, bytes_per_token: int,
-            fill_tokens: int) -> bool:
+            fill_tokens: int, unchanged_before: int | None = None) -> bool:
     """Whether a run can continue from ``st``: the same window and bytes per token, the same size
     for events without block_tokens if the state used it, and as many events before its checkpoint."""
     if (st.window_ns, st.bytes_per_token) != (window_ns, bytes_per_token):
         return False
     if st.filled and st.fill_tokens != fill_tokens:
         return False
+    if unchanged_before is not None and st.checkpoint_ns <= unchanged_before:
+        return True  # the events before its checkpoint are those it counted
     ((before,),) = kv_events.filter(duckdb.ColumnExpression("ts_ns") < duckdb.ConstantExpression(
         st.checkpoint_ns)).aggregate("count(*)").fetchall()
     return int(before) == st.events

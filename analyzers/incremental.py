@@ -122,7 +122,8 @@ from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 __all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "StateWorker", "base_file",
            "base_fits", "carry_scenario",
            "clear_scenario", "code_digest", "decide", "delete_requests", "delete_since", "detach_previous",
-           "drop_others", "flows_resume_of", "horizon", "keep_scenario", "previous_state", "resume_of",
+           "drop_others", "flows_resume_of", "horizon", "keep_scenario", "new_rows_from", "previous_state",
+           "resume_of",
            "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
 
 T = TypeVar("T")
@@ -131,6 +132,7 @@ log = logging.getLogger(__name__)
 # A new segment may hold rows this much older than the watermark and still count as new data
 # (collectors flush on their own clocks and intervals); older rows make it a late segment.
 LATE_LAG_NS = 60 * 1_000_000_000
+_NOTHING_NEW = 2**63 - 1  # new_rows_from's time for a table that gained no segment
 STATE_TABLE = "kvlens_state"
 PREVIOUS = "kvlens_prev"  # the alias the previous analysis DB is attached under
 # analyzers' states, one blob per scenario each
@@ -336,6 +338,26 @@ def _previous_has(con: duckdb.DuckDBPyConnection, table: str) -> bool:
     abort the analysis' transaction)."""
     return bool(con.execute("SELECT count(*) FROM duckdb_tables() WHERE database_name = ? AND table_name = ?",
                             [PREVIOUS, table]).fetchall()[0][0])
+
+
+def new_rows_from(now: Inputs, before: Inputs, scenario: str) -> dict[str, int]:
+    """Per lake table of ``scenario``: a time at or after which every row is stamped that its
+    segments gained since ``before`` (the analysis that saved the states an appended run continues
+    from), from the new segments' oldest rows. Before that time the table holds the rows it held
+    then (``decide``: every segment of ``before`` is there unchanged), so a count of the rows
+    stamped before a state's checkpoint at or before it is still the state's, and needs no scan.
+    A table with a new segment of unknown oldest row is left out (its counts are scanned); one
+    with no new segment gets the largest time. (A segment that lands while the analysis runs is
+    read but not recorded here: should it hold rows older than a checkpoint, the next run finds
+    it late, older than that run's horizon, and rebuilds.)"""
+    known = {s.path for s in before.segments}
+    out: dict[str, int] = {}
+    for table in LAKE_TABLES:
+        prefix = f"{table.name}/scenario={scenario}/"
+        new = [s.oldest_ns for s in now.segments if s.path.startswith(prefix) and s.path not in known]
+        if all(t is not None for t in new):
+            out[table.name] = min((t for t in new if t is not None), default=_NOTHING_NEW)
+    return out
 
 
 def horizon(inputs: Inputs) -> int | None:

@@ -316,7 +316,7 @@ _FULL_BLOCK = "block_tokens IS NOT NULL AND block_tokens = coalesce(block_size_t
 
 def request_stream(request_blocks: duckdb.DuckDBPyRelation,
                    requests: duckdb.DuckDBPyRelation | None = None, prior: pl.DataFrame | None = None,
-                   since_ns: int | None = None) -> pl.DataFrame:
+                   since_ns: int | None = None, unchanged_before: int | None = None) -> pl.DataFrame:
     """The `requests` stream: block_hash, block_tokens, ts_ns, position, replica, in access order.
 
     The prefix-cache stream: the **full** blocks of the scenario's request_blocks only. A partial
@@ -329,10 +329,15 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation,
     same lake gave them (a ReuseState's ``stream``): when the lake holds as many of them still (no
     row before a checkpoint can arrive later: ``kvlens analyze`` rebuilds on a late segment), only
     the rows from ``since_ns`` on are read, and they follow ``prior`` in the order above.
+    ``unchanged_before``: a time before which the lake holds the rows it held when ``prior`` was
+    read (analyzers/incremental.py, ``new_rows_from``): with ``since_ns`` at or before it, the count
+    is not read again.
     """
     full = request_blocks.filter(_FULL_BLOCK)
     if prior is not None and since_ns is not None and requests is not None:
-        ((before,),) = full.filter(f"arrival_ns < {int(since_ns)}").aggregate("count(*)").fetchall()
+        same = unchanged_before is not None and since_ns <= unchanged_before
+        ((before,),) = ([(prior.height,)] if same else
+                        full.filter(f"arrival_ns < {int(since_ns)}").aggregate("count(*)").fetchall())
         if before == prior.height:
             tail = _stream_rows(full.filter(f"arrival_ns >= {int(since_ns)} OR arrival_ns IS NULL"), requests)
             return pl.concat([prior.select(tail.columns).cast(tail.schema), tail])
@@ -453,11 +458,12 @@ class AccessStream:
 
 def access_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per_token: int,
                   requests: duckdb.DuckDBPyRelation | None = None,
-                  prior: ReuseState | None = None) -> AccessStream:
+                  prior: ReuseState | None = None, unchanged_before: int | None = None) -> AccessStream:
     """The `requests` stream of ``scenario``'s rows and its distances; NoDataError when it is empty.
-    ``prior``: a saved reuse state, whose accesses before its checkpoint are not read again."""
+    ``prior``: a saved reuse state, whose accesses before its checkpoint are not read again
+    (``unchanged_before``: see ``request_stream``)."""
     rs = request_stream(request_blocks, requests, prior.stream if prior is not None else None,
-                        prior.checkpoint_ns if prior is not None else None)
+                        prior.checkpoint_ns if prior is not None else None, unchanged_before)
     if rs.height == 0:
         raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
     sizes = rs["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
@@ -552,14 +558,17 @@ class _CannotContinue(Exception):
 
 def reuse_continued(*, kv_events: duckdb.DuckDBPyRelation | None, bytes_per_token: int, scenario: str,
                     stream: AccessStream, resume: ReuseState | None = None,
-                    checkpoint_ns: int | None = None) -> Reused:
+                    checkpoint_ns: int | None = None, events_unchanged_before: int | None = None) -> Reused:
     """``reuse``'s rows, continued from ``resume`` when it can be (else all of them, with why not),
     and with the state at ``checkpoint_ns`` when given. Continuing gives the rows a replay of the
-    whole lake gives (``_resumed``); the caller keeps the rows before ``resume``'s checkpoint."""
+    whole lake gives (``_resumed``); the caller keeps the rows before ``resume``'s checkpoint.
+    ``events_unchanged_before``: a time before which ``kv_events`` holds the rows it held when
+    ``resume`` was saved (``request_stream``'s ``unchanged_before``)."""
     refused = None
     if resume is not None:
         try:
-            return _continue(resume, kv_events, bytes_per_token, scenario, stream, checkpoint_ns)
+            return _continue(resume, kv_events, bytes_per_token, scenario, stream, checkpoint_ns,
+                             events_unchanged_before)
         except _CannotContinue as e:
             refused = str(e)
             log.info("scenario %s: reuse computed in full: %s", scenario, refused)
@@ -660,7 +669,7 @@ def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None,
 
 
 def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, bytes_per_token: int,
-              scenario: str, acc: AccessStream, cut_ns: int | None) -> Reused:
+              scenario: str, acc: AccessStream, cut_ns: int | None, unchanged_before: int | None) -> Reused:
     """The rows from ``resume``'s checkpoint on (see ``Reused``); _CannotContinue when the lake
     before the checkpoint is not the one it saw, or a missing event size would now count another."""
     t = resume.checkpoint_ns
@@ -677,7 +686,9 @@ def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, byt
         raise _CannotContinue("the new checkpoint is before the state's")
     ev = None
     if kv_events is not None:
-        ((before,),) = kv_events.filter(f"{_STORED} AND ts_ns < {int(t)}").aggregate("count(*)").fetchall()
+        same = unchanged_before is not None and t <= unchanged_before
+        ((before,),) = ([(resume.events,)] if same else
+                        kv_events.filter(f"{_STORED} AND ts_ns < {int(t)}").aggregate("count(*)").fetchall())
         if before != resume.events:
             raise _CannotContinue(f"{before:,} stored events before the checkpoint, the state counted "
                                   f"{resume.events:,}")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlens.analyzers.fanout import fanout
-from kvlens.analyzers.flows import flows
+from kvlens.analyzers.flows import FlowsState, _agrees, flows
 
 PER_TOKEN = 10
 BLOCK = 2  # tokens, so 20 bytes a block
@@ -307,3 +307,26 @@ def test_a_later_read_of_an_evicted_latest_store_is_matched_to_it() -> None:
                                     "replica": pl.Utf8, "origin": pl.Utf8, "block_hash": pl.UInt64,
                                     "bytes": pl.Int64, "status": pl.Utf8})
     _grown(events, no_loads, hits, [5, 20], [5, 20])
+
+
+class _Unread:
+    """A relation that must not be read."""
+
+    def __getattr__(self, name: str) -> object:
+        raise AssertionError(f"the lake was read ({name})")
+
+
+def test_a_state_before_the_rows_gained_agrees_without_a_count() -> None:
+    """A run that knows the events it gained are stamped from a time on (an appended run's new
+    segments) does not count the events before a checkpoint before that time again; one that
+    does not know counts them, and a state of another window never agrees."""
+    empty = pl.DataFrame()
+    st = FlowsState(100, 3, 60, 2, 16, False, empty, empty, empty)
+    assert _agrees(st, _Unread(), 60, 2, 16, unchanged_before=100)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="the lake was read"):
+        _agrees(st, _Unread(), 60, 2, 16, unchanged_before=99)  # type: ignore[arg-type]
+    assert not _agrees(st, _Unread(), 30, 2, 16, unchanged_before=100)  # type: ignore[arg-type]
+    con = duckdb.connect()
+    events = con.sql("SELECT * FROM (VALUES (10), (20), (30), (150)) t(ts_ns)")
+    assert _agrees(st, events, 60, 2, 16)
+    assert not _agrees(st, con.sql("SELECT * FROM (VALUES (10), (150)) t(ts_ns)"), 60, 2, 16)

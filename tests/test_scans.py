@@ -29,20 +29,28 @@ def _same(a: pl.DataFrame, b: pl.DataFrame) -> bool:
 @given(rows=st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 50)), st.sampled_from(["a", "b", None]),
                                st.sampled_from(["stored", "removed"]),
                                st.one_of(st.none(), st.integers(1, 3))), max_size=40),
-       ends=st.lists(st.integers(1, 51), min_size=1, max_size=4, unique=True), lag=st.integers(0, 8))
+       ends=st.lists(st.integers(1, 51), min_size=1, max_size=4, unique=True), lag=st.integers(0, 8),
+       known=st.lists(st.booleans(), min_size=5, max_size=5))
 def test_continued_aggregates_equal_those_of_the_whole_lake(
-        rows: list[tuple[int | None, str | None, str, int | None]], ends: list[int], lag: int) -> None:
+        rows: list[tuple[int | None, str | None, str, int | None]], ends: list[int], lag: int,
+        known: list[bool]) -> None:
     """The lake holds the rows stamped before each end (unstamped rows from the start); the
     checkpoint is the end less ``lag``, so no row before it arrives later, as ``kvlens analyze``
-    guarantees. Counts, sums, minima, maxima and distinct keys all merge."""
+    guarantees. Counts, sums, minima, maxima and distinct keys all merge. ``known``, per run:
+    whether it is told that the rows it gained are stamped from the previous end on
+    (``unchanged_before``, as an appended run knows from its new segments), so that it counts only
+    those; the next run that is not told checks the count it saved."""
     frame = pl.DataFrame(rows, schema={"ts_ns": pl.Int64, "rep": pl.Utf8, "kind": pl.Utf8, "tok": pl.Int64},
                          orient="row")
     con = duckdb.connect()
     state = None
     continued = 0
-    for end in [*sorted(ends), 10**6]:
+    previous = None
+    for run, end in enumerate([*sorted(ends), 10**6]):
         rel = con.from_arrow(frame.filter(pl.col("ts_ns").is_null() | (pl.col("ts_ns") < end)).to_arrow())
-        scans = Scans({"ev": (rel, "ts_ns")}, state, end - lag)
+        since = {"ev": previous} if known[run] and previous is not None else {}
+        scans = Scans({"ev": (rel, "ts_ns")}, state, end - lag, unchanged_before=since)
+        previous = end
         assert scans.refused is None, scans.refused
         continued += scans.resume is not None
         got = _aggregates(scans, rel)
