@@ -137,13 +137,17 @@ def _demoted(events: duckdb.DuckDBPyRelation) -> pl.DataFrame:
              .aggregate("location, block_hash, group_idx, ts_ns, bool_or(kind = 'stored') AS stored").pl()
              .sort("ts_ns"))
     if lower.is_empty():
-        return pl.DataFrame(schema={"location": pl.Utf8, "demoted_blocks": pl.Int64, "tier": pl.Utf8})
+        return _demoted_none()
     removals = (known.filter(f"tier = '{Medium.GPU.value}' AND kind = 'removed'")
                 .select(*keys, "ts_ns").pl().sort("ts_ns"))
     # Both sides are sorted on ts_ns; polars cannot check that within the by-groups.
     latest = removals.join_asof(lower, on="ts_ns", by=keys, strategy="backward", check_sortedness=False)
     return (latest.filter(pl.col("stored").fill_null(False)).group_by("location")
             .agg(pl.len().cast(pl.Int64).alias("demoted_blocks")).with_columns(tier=pl.lit(Medium.GPU.value)))
+
+
+def _demoted_none() -> pl.DataFrame:
+    return pl.DataFrame(schema={"location": pl.Utf8, "demoted_blocks": pl.Int64, "tier": pl.Utf8})
 
 
 def _served(block_outcomes: pl.DataFrame) -> pl.DataFrame:
@@ -179,6 +183,11 @@ def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelat
     cond = duckdb.ColumnExpression("kind") != duckdb.ConstantExpression("cleared")
     events = kv_events.filter(cond).project(EVENT_COLUMNS)
     stored = _stored(events, block_size_tokens, scans or Scans({"kv_events": (kv_events, "ts_ns")}))
+    # Every event but a clear has a row in ``stored`` (its location, tier and group); with none on a
+    # lower tier there is no demotion, and the lake's events need no second read (a read of every
+    # event ever collected, where ``stored`` continues from the previous run's counts).
+    lower = stored.filter(pl.col("tier").is_in([Medium.CPU.value, Medium.DISK.value]))
+    demoted = _demoted(events) if lower.height else _demoted_none()
     rates = list(group_bytes_per_token or [])
     groups = sorted(set(stored["group_idx"].to_list()))
     per_group = len(rates) >= 2 and groups == list(range(len(rates)))
@@ -189,7 +198,7 @@ def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelat
               .agg(pl.col("stored_blocks").sum(), pl.col("stored_bytes").sum(),
                    pl.col("removed_blocks").sum()))
     out = (stored.join(_served(block_outcomes), on=["location", "tier"], how="full", coalesce=True)
-           .join(_demoted(events), on=["location", "tier"], how="left")
+           .join(demoted, on=["location", "tier"], how="left")
            .with_columns(pl.col(c).fill_null(0).cast(pl.Int64) for c in
                          ("stored_blocks", "stored_bytes", "removed_blocks", "demoted_blocks", "hit_blocks",
                           "hit_tokens", "hit_bytes")))
