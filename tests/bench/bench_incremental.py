@@ -53,7 +53,7 @@ from kvlens.analyzers.simulate import SimConfig
 
 REQUESTS = 4000
 REPEATS = 3
-PAIRS = 5  # alternated runs of the 1st and the 6th increment, for the ratio
+PAIRS = 8  # alternated runs of the 1st and the 6th increment, for the ratio (each side's fastest)
 INCREMENTS = 6
 TARGET_RATIO = 1.5
 # (name, the fleet's scenario: the only one appended and analyzed, the slices equal in its rows, fleet)
