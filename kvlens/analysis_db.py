@@ -18,7 +18,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from kvlens.commit import fsync_dir, remove_dead_tmp, tmp_name
+from kvlens.commit import fsync_path, remove_dead_tmp, tmp_name
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import create_enum_types, open_lake
 from kvlens.schema import ANALYSIS_TABLES, SCHEMA_VERSION, TABLES
@@ -145,14 +145,6 @@ def _connect(path: Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute, *,
                       base: str | os.PathLike[str] | None = None,
                       accept: Callable[[duckdb.DuckDBPyConnection], bool] | None = None) -> Path:
@@ -195,9 +187,9 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
             con.close()
         # Write, sync, rename, sync the directory: a reader of ``final`` sees the old file or the
         # whole new one, also after a crash of the machine (DuckDB did not sync, see _connect).
-        _fsync_file(tmp)
+        fsync_path(tmp)
         os.replace(tmp, final)
-        fsync_dir(final.parent)
+        fsync_path(final.parent)
     finally:
         for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
             leftover.unlink(missing_ok=True)

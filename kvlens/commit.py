@@ -36,7 +36,7 @@ from typing import Any
 __all__ = [
     "STAGING",
     "TRASH",
-    "fsync_dir",
+    "fsync_path",
     "recover",
     "remove_dead_tmp",
     "staging_token",
@@ -110,7 +110,9 @@ def _alive(host: str, pid: int) -> bool:
     return True
 
 
-def fsync_dir(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush what was written to ``path`` to stable storage: a file's contents, or a directory's
+    entries (after a rename into it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -126,7 +128,7 @@ def _write_journal(path: Path, record: dict[str, Any]) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def _swap_one(entry: dict[str, Any]) -> None:
@@ -136,7 +138,7 @@ def _swap_one(entry: dict[str, Any]) -> None:
         Path(entry["trash"]).parent.mkdir(parents=True, exist_ok=True)
         os.replace(final, entry["trash"])
     os.replace(entry["staged"], final)
-    fsync_dir(final.parent)
+    fsync_path(final.parent)
 
 
 def _undo(entries: Sequence[dict[str, Any]]) -> None:
@@ -165,7 +167,7 @@ def swap_in(lake: Path, pairs: Sequence[tuple[Path, Path]]) -> None:
         journal.unlink(missing_ok=True)
         raise
     journal.unlink()  # the commit point
-    fsync_dir(journal.parent)
+    fsync_path(journal.parent)
     shutil.rmtree(lake / TRASH / token, ignore_errors=True)
 
 

@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvlens.commit import STAGING, fsync_dir, recover, staging_token, swap_in, tmp_name, wait_for_commits
+from kvlens.commit import STAGING, fsync_path, recover, staging_token, swap_in, tmp_name, wait_for_commits
 from kvlens.damage import damaged_segment_error, segment_schema
 from kvlens.errors import ConfigError, EmptyReplaceError
 from kvlens.marker import lake_info
@@ -264,7 +264,7 @@ class SegmentWriter:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        fsync_dir(directory)
+        fsync_path(directory)
         self.segments_written += 1
         self.bytes_written += size
 

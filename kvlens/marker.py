@@ -7,7 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from kvlens.commit import fsync_dir, tmp_name
+from kvlens.commit import fsync_path, tmp_name
 from kvlens.errors import ConfigError, InputError, SchemaVersionError
 from kvlens.schema import SCHEMA_VERSION
 
@@ -48,7 +48,7 @@ def _atomic_write_bytes(path: Path, data: bytes) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(path.parent)
+    fsync_path(path.parent)
 
 
 def read_marker(marker: Path) -> dict[str, Any]:

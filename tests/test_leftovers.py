@@ -168,25 +168,20 @@ def test_the_analysis_db_is_synced_before_it_is_renamed_into_place(tmp_path: Pat
     assert CliRunner().invoke(cli, ["import", "mooncake", str(mooncake3), "--lake", str(lake),
                                     "--scenario", "s"]).exit_code == 0
     steps: list[tuple[str, Path]] = []
-    real_sync, real_dir, real_replace = analysis_db._fsync_file, analysis_db.fsync_dir, os.replace
+    real_sync, real_replace = analysis_db.fsync_path, os.replace
 
     def sync(path: Path) -> None:
         steps.append(("sync", Path(path)))
         real_sync(path)
 
-    def sync_dir(path: Path) -> None:
-        steps.append(("sync_dir", Path(path)))
-        real_dir(path)
-
     def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
         steps.append(("replace", Path(src)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(analysis_db, "_fsync_file", sync)
-    monkeypatch.setattr(analysis_db, "fsync_dir", sync_dir)
+    monkeypatch.setattr(analysis_db, "fsync_path", sync)
     monkeypatch.setattr(analysis_db.os, "replace", replace)
     analysis_db.build_analysis_db(db, lake, lambda con: iter(()))
     (synced, renamed, dir_synced) = steps
     assert synced[0] == "sync" and renamed == ("replace", synced[1]) and synced[1] != db
-    assert dir_synced == ("sync_dir", db.parent)
+    assert dir_synced == ("sync", db.parent)
     assert analysis_db.check_duckdb_file(db) == db  # the renamed file is a whole DuckDB file
