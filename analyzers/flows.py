@@ -50,7 +50,7 @@ import duckdb
 import polars as pl
 
 from kvlens.analyzers.outcomes import LOOKUP_SQL, in_order
-from kvlens.analyzers.state_blob import pack, unpack
+from kvlens.analyzers.state_blob import pack, still_counted, unpack
 from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
 
 __all__ = ["FLOWS_TABLE", "FlowsState", "flows", "flows_continued"]
@@ -379,7 +379,7 @@ def _agrees(st: FlowsState, kv_events: duckdb.DuckDBPyRelation, window_ns: int, 
         return False
     if st.filled and st.fill_tokens != fill_tokens:
         return False
-    if unchanged_before is not None and st.checkpoint_ns <= unchanged_before:
+    if still_counted(unchanged_before, st.checkpoint_ns):
         return True  # the events before its checkpoint are those it counted
     ((before,),) = kv_events.filter(duckdb.ColumnExpression("ts_ns") < duckdb.ConstantExpression(
         st.checkpoint_ns)).aggregate("count(*)").fetchall()

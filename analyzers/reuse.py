@@ -37,7 +37,7 @@ import numba
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.state_blob import pack, unpack
+from kvlens.analyzers.state_blob import pack, still_counted, unpack
 from kvlens.errors import NoDataError
 from kvlens.schema import REUSE
 
@@ -334,13 +334,12 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation,
     is not read again.
     """
     full = request_blocks.filter(_FULL_BLOCK)
-    if prior is not None and since_ns is not None and requests is not None:
-        same = unchanged_before is not None and since_ns <= unchanged_before
-        ((before,),) = ([(prior.height,)] if same else
-                        full.filter(f"arrival_ns < {int(since_ns)}").aggregate("count(*)").fetchall())
-        if before == prior.height:
-            tail = _stream_rows(full.filter(f"arrival_ns >= {int(since_ns)} OR arrival_ns IS NULL"), requests)
-            return pl.concat([prior.select(tail.columns).cast(tail.schema), tail])
+    if prior is not None and since_ns is not None and requests is not None and (
+            still_counted(unchanged_before, since_ns)
+            or full.filter(f"arrival_ns < {int(since_ns)}").aggregate("count(*)").fetchall()
+            == [(prior.height,)]):
+        tail = _stream_rows(full.filter(f"arrival_ns >= {int(since_ns)} OR arrival_ns IS NULL"), requests)
+        return pl.concat([prior.select(tail.columns).cast(tail.schema), tail])
     return _stream_rows(full, requests)
 
 
@@ -686,12 +685,12 @@ def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, byt
         raise _CannotContinue("the new checkpoint is before the state's")
     ev = None
     if kv_events is not None:
-        same = unchanged_before is not None and t <= unchanged_before
-        ((before,),) = ([(resume.events,)] if same else
-                        kv_events.filter(f"{_STORED} AND ts_ns < {int(t)}").aggregate("count(*)").fetchall())
-        if before != resume.events:
-            raise _CannotContinue(f"{before:,} stored events before the checkpoint, the state counted "
-                                  f"{resume.events:,}")
+        if not still_counted(unchanged_before, t):
+            stored_before = kv_events.filter(f"{_STORED} AND ts_ns < {int(t)}")
+            ((before,),) = stored_before.aggregate("count(*)").fetchall()
+            if before != resume.events:
+                raise _CannotContinue(f"{before:,} stored events before the checkpoint, the state "
+                                      f"counted {resume.events:,}")
         ev = _stored_events(kv_events, t)
     elif resume.events:
         raise _CannotContinue("the state counted stored events, none are given")

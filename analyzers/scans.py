@@ -32,7 +32,7 @@ from typing import Literal
 import duckdb
 import polars as pl
 
-from kvlens.analyzers.state_blob import pack, unpack
+from kvlens.analyzers.state_blob import pack, still_counted, unpack
 
 __all__ = ["SCANS_TABLE", "ScanState", "Scans"]
 
@@ -89,8 +89,9 @@ class Scans:
         if not marks:
             return
         for name, (rel, time_col) in self.relations.items():
-            st, since = self.resume, self.unchanged_before.get(name)
-            if st is not None and name in st.rows and since is not None and st.checkpoint_ns <= since:
+            st = self.resume
+            if st is not None and name in st.rows and still_counted(self.unchanged_before.get(name),
+                                                                    st.checkpoint_ns):
                 if self.checkpoint_ns is not None:
                     ((more,),) = rel.filter(f"{time_col} >= {int(st.checkpoint_ns)}").aggregate(
                         f"count(*) FILTER (WHERE {time_col} < {int(self.checkpoint_ns)})").fetchall()

@@ -10,7 +10,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import polars as pl
 
-__all__ = ["Pending", "pack", "ready", "unpack"]
+__all__ = ["Pending", "pack", "ready", "still_counted", "unpack"]
 
 T = TypeVar("T")
 # A saved state read back now, or on a worker thread (analyzers/incremental.py ``StateWorker``).
@@ -45,3 +45,10 @@ def unpack(data: bytes) -> tuple[dict[str, Any], dict[str, pl.DataFrame]]:
         frames[name] = pl.read_ipc(io.BytesIO(data[at:at + length]))
         at += length
     return head, frames
+
+
+def still_counted(unchanged_before: int | None, checkpoint_ns: int) -> bool:
+    """Whether a state's count of a lake table's rows stamped before ``checkpoint_ns`` still holds
+    without a scan: the table holds, before ``unchanged_before``, the rows it held when the state
+    was saved (analyzers/incremental.py, ``new_rows_from``; None: not known)."""
+    return unchanged_before is not None and checkpoint_ns <= unchanged_before
