@@ -19,6 +19,7 @@ Two questions an operator asks after reading a miss-ratio curve:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import duckdb
@@ -92,64 +93,93 @@ def effective_capacity(*, mrc: pl.DataFrame, physical_bytes: int, bytes_per_toke
 
 
 @numba.njit(cache=True)
-def _peak_in_order(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int, cap: int) -> int:
-    """The most bytes held just after an access, ``ts`` in time order, in one pass.
+def _in_order(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: np.ndarray,
+              cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """Mean and peak bytes held under each TTL of ``ttls_ns``, ``ts`` in time order: one pass per
+    TTL over the stream, no sort, the work arrays shared by the TTLs.
 
-    Held after access k: the bytes accessed up to it less those stopped at or before its time
-    (stops first at a tie). A residency stops at its expiry (``ts + TTL``, capped) unless the next
-    access renews it first; then at that access's time. Both kinds of stop come in time order
-    (expiries in their accesses' order, renewals in the renewing accesses'), so two cursors walk
-    them beside the accesses: no sort."""
-    n = len(ts)
+    Mean: the byte-nanoseconds held over the span from the first access to the last stop. Byte-
+    nanoseconds overflow int64 with real KV sizes (a 512-token Llama-3.1-70B block held 60 s is
+    1.0e19): they are summed in float64, compensated (Neumaier), so the sum is as exact as the
+    products.
+
+    Peak: the most bytes held just after an access. Held after access k: the bytes accessed up to
+    it less those stopped at or before its time (stops first at a tie). A residency stops at its
+    expiry (``ts + TTL``, capped) unless the next access renews it first; then at that access's
+    time. Both kinds of stop come in time order (expiries in their accesses' order, renewals in
+    the renewing accesses'), so two cursors walk them beside the accesses."""
+    n, k = len(ts), len(ttls_ns)
+    means, peaks = np.zeros(k, np.float64), np.zeros(k, np.int64)
     renewed = np.zeros(n, np.bool_)  # residency i ends at its renewal
     renewing = np.zeros(n, np.int64)  # bytes whose residency access j's renewal stops
     renews = np.zeros(n, np.bool_)
-    for i in range(n):
-        j = nxt[i]
-        if j >= 0 and ts[j] <= ts[i] + ttl_ns:
-            renewed[i] = True
-            renews[j] = True
-            renewing[j] = sizes[i]
-    accessed, stopped, peak = 0, 0, -(2**62)
-    e, r = 0, 0
-    for k in range(n):
-        t = ts[k]
-        accessed += sizes[k]
-        while e < n and (renewed[e] or min(ts[e] + ttl_ns, cap) <= t):
-            if not renewed[e]:
-                stopped += sizes[e]
-            e += 1
-        while r < n and (not renews[r] or min(ts[r], cap) <= t):
-            if renews[r]:
-                stopped += renewing[r]
-            r += 1
-        peak = max(peak, accessed - stopped)
-    return peak
+    for q in range(k):
+        ttl_ns = ttls_ns[q]
+        renews[:] = False
+        total, comp, last_stop = 0.0, 0.0, -(2**62)
+        for i in range(n):
+            j = nxt[i]
+            stop = ts[i] + ttl_ns
+            renewed[i] = j >= 0 and ts[j] <= stop
+            if renewed[i]:
+                stop = ts[j]
+                renews[j] = True
+                renewing[j] = sizes[i]
+            stop = min(stop, cap)
+            last_stop = max(last_stop, stop)
+            term = float(sizes[i]) * float(stop - ts[i])
+            added = total + term
+            comp += (total - added) + term if abs(total) >= abs(term) else (term - added) + total
+            total = added
+        means[q] = (total + comp) / max(1, last_stop - ts[0]) if n else 0.0
+        accessed, stopped, peak = 0, 0, -(2**62)
+        e, r = 0, 0
+        for a in range(n):
+            t = ts[a]
+            accessed += sizes[a]
+            while e < n and (renewed[e] or min(ts[e] + ttl_ns, cap) <= t):
+                if not renewed[e]:
+                    stopped += sizes[e]
+                e += 1
+            while r < n and (not renews[r] or min(ts[r], cap) <= t):
+                if renews[r]:
+                    stopped += renewing[r]
+                r += 1
+            peak = max(peak, accessed - stopped)
+        peaks[q] = peak
+    return means, peaks
+
+
+def _residences(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: Sequence[int],
+                end_ns: int) -> list[tuple[float, float]]:
+    """Mean and peak bytes a TTL cache holds, per TTL of ``ttls_ns``; each access keeps its block
+    until min(ts+TTL, next access, the end)."""
+    if not len(ts):
+        return [(0.0, 0.0) for _ in ttls_ns]
+    cap = max(end_ns, int(ts.max()) + 1)
+    if bool(np.all(ts[1:] >= ts[:-1])):  # a stream is in time order: one pass per TTL
+        means, peaks = _in_order(ts, nxt, sizes.astype(np.int64), np.asarray(ttls_ns, np.int64), cap)
+        return [(float(m), float(p)) for m, p in zip(means, peaks, strict=True)]
+    out = []
+    starts = np.argsort(ts, kind="stable")
+    for ttl_ns in ttls_ns:
+        stop = np.where(nxt >= 0, np.minimum(ts + ttl_ns, ts[np.maximum(nxt, 0)]), ts + ttl_ns)
+        stop = np.minimum(stop, cap)
+        span = max(1, int(stop.max()) - int(ts.min()))
+        mean = math.fsum((sizes.astype(np.float64) * (stop - ts).astype(np.float64)).tolist()) / span
+        # The peak is reached just after some access (held bytes only grow there): the bytes
+        # accessed up to it less those stopped at or before its time (a stop first at a tie).
+        ends = np.sort(stop)
+        stop_sizes = np.concatenate([[0], np.cumsum(sizes[np.argsort(stop, kind="stable")])])
+        held = np.cumsum(sizes[starts]) - stop_sizes[np.searchsorted(ends, ts[starts], side="right")]
+        out.append((mean, float(held.max())))
+    return out
 
 
 def _residence(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int,
                end_ns: int) -> tuple[float, float]:
-    """Mean and peak bytes a TTL cache holds; each access keeps its block until min(ts+TTL, next)."""
-    if not len(ts):
-        return 0.0, 0.0
-    cap = max(end_ns, int(ts.max()) + 1)
-    stop = np.where(nxt >= 0, np.minimum(ts + ttl_ns, ts[np.maximum(nxt, 0)]), ts + ttl_ns)
-    stop = np.minimum(stop, cap)
-    span = max(1, int(stop.max()) - int(ts.min()))
-    # Byte-nanoseconds overflow int64 with real KV sizes (a 512-token Llama-3.1-70B block held
-    # 60 s is 1.0e19): the products are summed in float64 (53-bit mantissa, relative error 1e-16).
-    mean = float(np.sum(sizes.astype(np.float64) * (stop - ts).astype(np.float64))) / span
-    # Peak: the bytes held just after an access are those accessed up to it less those stopped
-    # at or before its time (at a tie a stop comes first: the next access that renews a block
-    # stops its previous residency at that access's time). The maximum is reached just after
-    # some access, so the accesses (in time order) are the only places to look.
-    if bool(np.all(ts[1:] >= ts[:-1])):  # a stream is in time order: one pass
-        return mean, float(_peak_in_order(ts, nxt, sizes.astype(np.int64), ttl_ns, cap))
-    starts = np.argsort(ts, kind="stable")
-    ends = np.sort(stop)
-    stop_sizes = np.concatenate([[0], np.cumsum(sizes[np.argsort(stop, kind="stable")])])
-    held = np.cumsum(sizes[starts]) - stop_sizes[np.searchsorted(ends, ts[starts], side="right")]
-    return mean, float(held.max())
+    """``_residences`` of one TTL."""
+    return _residences(ts, nxt, sizes, [ttl_ns], end_ns)[0]
 
 
 def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
@@ -171,19 +201,22 @@ def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: in
     nxt = np.full(len(ts), -1, np.int64)
     nxt[d.prev[re]] = np.flatnonzero(re)
     lru_d = np.sort(d.bytes[re])
-    lru_w = np.concatenate([[0], np.cumsum(sizes[re][np.argsort(d.bytes[re], kind="stable")])])
+    re_sizes = sizes[re]
+    lru_w = np.concatenate([[0], np.cumsum(re_sizes[np.argsort(d.bytes[re], kind="stable")])])
+    total, re_total, reaccesses = sizes.sum(), re_sizes.sum(), int(re.sum())
+    ttls = sorted(ttls_s)
+    held = _residences(ts, nxt, sizes, [int(ttl * _NS_PER_S) for ttl in ttls], int(ts.max()))
     rows = []
-    for ttl in sorted(ttls_s):
-        ttl_ns = int(ttl * _NS_PER_S)
-        cov = interval <= ttl_ns
-        mean, peak = _residence(ts, nxt, sizes, ttl_ns, int(ts.max()))
-        lru_hit = lru_w[np.searchsorted(lru_d, peak, side="right")] / sizes.sum()
+    for ttl, (mean, peak) in zip(ttls, held, strict=True):
+        cov = interval <= int(ttl * _NS_PER_S)
+        covered = re_sizes[cov].sum()
+        lru_hit = lru_w[np.searchsorted(lru_d, peak, side="right")] / total
         rows.append({
-            "scenario": scenario, "ttl_s": float(ttl), "reaccesses": int(re.sum()),
+            "scenario": scenario, "ttl_s": float(ttl), "reaccesses": reaccesses,
             "covered_reaccesses": int(cov.sum()), "covered_ratio": float(cov.mean()) if cov.size else 0.0,
-            "covered_bytes_ratio": float(sizes[re][cov].sum() / max(1, sizes[re].sum())),
+            "covered_bytes_ratio": float(covered / max(1, re_total)),
             "pinned_mean_bytes": mean, "pinned_peak_bytes": peak,
             "lru_hit_ratio_bytes_at_peak": float(lru_hit),
-            "ttl_hit_ratio_bytes": float(sizes[re][cov].sum() / sizes.sum()),
+            "ttl_hit_ratio_bytes": float(covered / total),
         })
     return pl.DataFrame(rows).sort("ttl_s")

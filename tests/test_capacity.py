@@ -123,12 +123,13 @@ def test_analyze_writes_ttl_coverage_and_capacity_when_told_the_cache(
 
 @pytest.mark.parametrize("seed", range(5))
 def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
-    """The pinned peak equals a brute-force count of the bytes held at each access's time, on
+    """The pinned peak equals a brute-force count of the bytes held at each access's time (and the
+    mean their byte-time over the span), on
     random streams with ties, zero-size blocks, zero TTLs and renewals at the same instant, in time
     order (stops merged from two sorted runs) and out of it (stops sorted)."""
     import numpy as np
 
-    from kvlens.analyzers.capacity import _residence
+    from kvlens.analyzers.capacity import _residence, _residences
 
     rng = np.random.default_rng(seed)
     for _ in range(200):
@@ -153,4 +154,11 @@ def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
         # bytes only grow at an access, so the peak is at one of their times)
         expected = max(sum(int(s) for t0, t1, s in zip(ts, stop, sizes, strict=True) if t0 <= t < t1)
                        for t in ts.tolist())
-        assert _residence(ts, nxt, sizes, ttl, end)[1] == expected
+        mean, peak = _residence(ts, nxt, sizes, ttl, end)
+        assert peak == expected
+        span = max(1, int(stop.max()) - int(ts.min()))
+        held = sum(int(s) * int(t1 - t0) for t0, t1, s in zip(ts, stop, sizes, strict=True))
+        assert mean == pytest.approx(held / span, rel=1e-12, abs=1e-12)
+        # several TTLs in one call (the kernel shares its work arrays between them) give each one's
+        ttls = [int(t) for t in rng.integers(0, 12, 3)]
+        assert _residences(ts, nxt, sizes, ttls, end) == [_residence(ts, nxt, sizes, t, end) for t in ttls]
