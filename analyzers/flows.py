@@ -132,8 +132,9 @@ def _events(kv_events: duckdb.DuckDBPyRelation, bytes_per_token: int, block_toke
 def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.DataFrame:
     """Every store with how its residency ended ('removed', 'cleared', 'restored' or None), when
     (``end_ts``), and whether it was read before (``read``: the carried stores' flag). ``carried``:
-    a state's open stores, before every event of ``ev``; one whose end was known keeps it. In no
-    particular order (every reader sorts or sums)."""
+    a state's open stores, before every event of ``ev``; one whose end was known keeps it, and is
+    ``counted``: the state's sums hold what it adds at its carried ``read`` flag (``_closed``). In
+    no particular order (every reader sorts or sums)."""
     key = ["loc", "tier", "block_hash"]
     blocks = (ev.filter(pl.col("kind").is_in(["stored", "removed"]) & pl.col("block_hash").is_not_null())
               .select(*_STORE_COLS, "kind", read=pl.lit(False), known=pl.lit(None, pl.Utf8),
@@ -172,10 +173,12 @@ def _residencies(ev: pl.DataFrame, carried: pl.DataFrame | None = None) -> pl.Da
     end_ts = pl.when(by_clear).then(clear_ts).otherwise(pl.col("next_ts"))
     known = pl.col("known").is_not_null()
     out = stores.select(*_STORE_COLS, "read", ended=pl.when(known).then(pl.col("known")).otherwise(ended),
-                        end_ts=pl.when(known).then(pl.col("known_ts")).otherwise(end_ts))
+                        end_ts=pl.when(known).then(pl.col("known_ts")).otherwise(end_ts),
+                        counted=pl.lit(False))
     if closed is None or not closed.height:
         return out
-    return pl.concat([out, closed.select(out.columns)], how="vertical_relaxed")
+    return pl.concat([out, closed.with_columns(counted=pl.lit(True)).select(out.columns)],
+                     how="vertical_relaxed")
 
 
 def _loads(transfers: duckdb.DuckDBPyRelation) -> pl.DataFrame:
@@ -252,6 +255,21 @@ def _parts(reads: pl.DataFrame, stores: pl.DataFrame, first: int = 0) -> list[pl
     ]
 
 
+def _closed(stores: pl.DataFrame) -> pl.DataFrame:
+    """What stores whose residency ended add besides their write (counted once, with the stores
+    before a state's first event): the bytes of those evicted or cleared unread."""
+    evicted = ~pl.col("read") & pl.col("ended").is_in(["removed", "cleared"])
+    return stores.filter(evicted).select("ts_ns", "loc", "tier", never_read_bytes="bytes")
+
+
+def _read_since(stores: pl.DataFrame) -> pl.DataFrame:
+    """What the ``counted`` stores that a read of this run matched (``was_read``: their flag before
+    it) no longer add: a state counted them evicted unread."""
+    flipped = pl.col("counted") & pl.col("read") & ~pl.col("was_read")
+    return _closed(stores.filter(flipped).with_columns(read=pl.lit(False))).with_columns(
+        never_read_bytes=-pl.col("never_read_bytes"))
+
+
 def _summed(frames: list[pl.DataFrame], window_ns: int) -> pl.DataFrame:
     """Contributions (ts_ns or window_start_ns, loc, tier, byte columns) summed per window."""
     window = (pl.col("ts_ns") // window_ns) * window_ns
@@ -276,16 +294,21 @@ def _state_at(at: int, first: int, ev: pl.DataFrame, stores: pl.DataFrame, reads
     latest = pl.col("ts_ns") == pl.col("ts_ns").max().over(_KEY)
     final_store = pl.col("end_ts").is_not_null() & (pl.col("end_ts") < at) & ~latest
     pre = pre.with_columns(final=final_store)
-    settled_reads, settled_stores = early.filter(final_read), pre.filter(pl.col("final"))
+    counted = pl.col("counted")
+    settled_reads, settled_stores = early.filter(final_read), pre.filter(pl.col("final") & ~counted)
     parts = _parts(settled_reads, settled_stores, first)
     # every store before ``at`` has its write counted here once (the open ones' too)
     parts.append(pre.filter(~pl.col("final") & (pl.col("n") >= first)).select("ts_ns", "loc", "tier",
                                                                               write_bytes="bytes"))
     parts.append(copies.filter(pl.col("ts_ns") < at))
+    known = pl.col("end_ts").is_not_null() & (pl.col("end_ts") < at)
+    # A store kept with its end known is counted now, at the read flag it is kept with: the next run
+    # sums only what a read of it takes back (``_read_since``), not every such store again.
+    parts.append(_closed(pre.filter(~pl.col("final") & known & ~counted)))
+    parts.append(_read_since(stores))
     if before is not None:
         parts.append(before.sums)
     sums = _summed(parts, window_ns)
-    known = pl.col("end_ts").is_not_null() & (pl.col("end_ts") < at)
     open_stores = pre.filter(~pl.col("final")).select(
         *_STORE_COLS, "read", ended=pl.when(known).then(pl.col("ended")),
         end_ts=pl.when(known).then(pl.col("end_ts")))
@@ -355,10 +378,11 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
     reads = pl.concat([resume.reads, new_reads], how="vertical_relaxed") if resume is not None else new_reads
     reads = _match(reads, stores)
     stores = stores.with_columns(read=pl.col("read") | pl.col("n").is_in(reads["store_n"].drop_nulls()
-                                                                           .unique().implode()))
+                                                                           .unique().implode()),
+                                 was_read=pl.col("read"))
     copies = _copies(transfers if since is None else transfers.filter(
         duckdb.ColumnExpression("ts_ns") >= duckdb.ConstantExpression(since)))
-    parts = [*_parts(reads, stores, first), copies]
+    parts = [*_parts(reads, stores.filter(~pl.col("counted")), first), copies, _read_since(stores)]
     if resume is not None:
         parts.append(resume.sums)
     out = _summed(parts, window_ns).filter(pl.sum_horizontal(_SUMS) > 0)

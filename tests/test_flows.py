@@ -297,7 +297,7 @@ def test_continued_flows_equal_flows_of_the_whole_lake(data: st.DataObject) -> N
 def test_a_later_read_of_an_evicted_latest_store_is_matched_to_it() -> None:
     """A store evicted before the checkpoint, with no later store of its block there, stays open:
     a read after the checkpoint (a hit the events did not explain) is still matched to it, as in
-    flows of the whole lake, so the store is read, not never read."""
+    flows of the whole lake, so the store is read, not never read, in that run and the next."""
     schema = {"block_hash": pl.UInt64, "block_tokens": pl.Int32, "seq": pl.UInt64}
     events = pl.DataFrame([_ev(1, "r0", "stored", A, "gpu"), _ev(2, "r0", "removed", A, "gpu"),
                            _ev(3, "r0", "stored", B, "gpu"), _ev(4, "r0", "stored", B, "gpu")],
@@ -307,6 +307,8 @@ def test_a_later_read_of_an_evicted_latest_store_is_matched_to_it() -> None:
                                     "replica": pl.Utf8, "origin": pl.Utf8, "block_hash": pl.UInt64,
                                     "bytes": pl.Int64, "status": pl.Utf8})
     _grown(events, no_loads, hits, [5, 20], [5, 20])
+    # A run after the one that read it: the sums its state carries no longer count it never read.
+    _grown(events, no_loads, hits, [5, 20, 30], [5, 20, 30])
 
 
 class _Unread:
