@@ -285,9 +285,9 @@ def _summed(frames: list[pl.DataFrame], window_ns: int) -> pl.DataFrame:
 
 def _state_at(at: int, first: int, ev: pl.DataFrame, stores: pl.DataFrame, reads: pl.DataFrame,
               copies: pl.DataFrame, before: FlowsState | None, window_ns: int, bytes_per_token: int,
-              fill_tokens: int) -> FlowsState:
+              fill_tokens: int, idle: pl.DataFrame | None = None) -> FlowsState:
     """The state at ``at`` after a run that numbered its events from ``first`` (``before``: the
-    state it continued from)."""
+    state it continued from; ``idle``: its stores this run could not change, kept as they are)."""
     early = reads.filter(pl.col("lookup_ns") < at)
     final_read = pl.col("match_ts").is_not_null() & (pl.col("match_ts") < at)
     pre = stores.filter(pl.col("ts_ns") < at)
@@ -312,6 +312,8 @@ def _state_at(at: int, first: int, ev: pl.DataFrame, stores: pl.DataFrame, reads
     open_stores = pre.filter(~pl.col("final")).select(
         *_STORE_COLS, "read", ended=pl.when(known).then(pl.col("ended")),
         end_ts=pl.when(known).then(pl.col("end_ts")))
+    if idle is not None and idle.height:
+        open_stores = pl.concat([open_stores, idle.select(open_stores.columns)], how="vertical_relaxed")
     events = first + int(ev.filter(pl.col("ts_ns") < at).height)
     filled = bool(pre["filled"].any()) or (before is not None and before.filled)
     return FlowsState(at, events, window_ns, bytes_per_token, fill_tokens, filled, sums,
@@ -361,7 +363,6 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
     if since is not None:
         kv_events = kv_events.filter(duckdb.ColumnExpression("ts_ns") >= duckdb.ConstantExpression(since))
     ev = _events(kv_events, bytes_per_token, typical_tokens, first)
-    stores = _residencies(ev, resume.stores if resume is not None else None)
     outcomes = block_outcomes
     if since is not None:  # the reads of the requests the ledger replayed, and the open ones
         replayed = request_ledger.filter(since <= _LOOKUP)["request_id"]
@@ -376,6 +377,8 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
     if since is not None:
         new_reads = new_reads.filter(pl.col("lookup_ns") >= since)
     reads = pl.concat([resume.reads, new_reads], how="vertical_relaxed") if resume is not None else new_reads
+    carried, idle = _touched(resume.stores, ev, reads) if resume is not None else (None, None)
+    stores = _residencies(ev, carried)
     reads = _match(reads, stores)
     stores = stores.with_columns(read=pl.col("read") | pl.col("n").is_in(reads["store_n"].drop_nulls()
                                                                            .unique().implode()),
@@ -391,8 +394,21 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
     state = None
     if checkpoint_ns is not None and (since is None or checkpoint_ns >= since):
         state = _state_at(checkpoint_ns, first, ev, stores, reads, copies, resume, window_ns, bytes_per_token,
-                          typical_tokens)
+                          typical_tokens, idle)
     return out, state
+
+
+def _touched(carried: pl.DataFrame, ev: pl.DataFrame,
+             reads: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """A state's stores split: those this run's events and reads can change, and the rest. A kept
+    store whose end is known is counted and the latest of its location, tier class and block (else
+    it would have been settled): only a new store of its block can make it settled, only a read of
+    its block can read it. So one whose block no new event and no read names stays as it is (most of
+    them: a block evicted unread is seldom needed again), and is carried into the next state without
+    being matched, sorted or summed."""
+    named = pl.concat([ev["block_hash"], reads["block_hash"]]).drop_nulls().unique()
+    idle = pl.col("ended").is_not_null() & ~pl.col("block_hash").is_in(named.implode())
+    return carried.filter(~idle), carried.filter(idle)
 
 
 def _agrees(st: FlowsState, kv_events: duckdb.DuckDBPyRelation, window_ns: int, bytes_per_token: int,

@@ -257,10 +257,11 @@ def _random_lake(data: st.DataObject) -> tuple[pl.DataFrame, pl.DataFrame, pl.Da
 
 
 def _grown(events: pl.DataFrame, loads: pl.DataFrame, hits: pl.DataFrame, ends: list[int],
-           checkpoints: list[int]) -> None:
+           checkpoints: list[int]) -> FlowsState | None:
     """Flows of a lake seen growing (rows stamped before each of ``ends``), each run continuing from
-    the state the previous one saved at its checkpoint, equal flows of what that run sees."""
-    from kvlens.analyzers.flows import FlowsState, flows_continued
+    the state the previous one saved at its checkpoint, equal flows of what that run sees; the
+    last state."""
+    from kvlens.analyzers.flows import flows_continued
 
     state: FlowsState | None = None
     con = duckdb.connect()
@@ -280,6 +281,7 @@ def _grown(events: pl.DataFrame, loads: pl.DataFrame, hits: pl.DataFrame, ends: 
         state = FlowsState.from_bytes(state.to_bytes()) if state is not None else None
         want = flows(**args)  # type: ignore[arg-type]
         assert got.to_dicts() == want.to_dicts()
+    return state
 
 
 @settings(max_examples=200, deadline=None)
@@ -309,6 +311,23 @@ def test_a_later_read_of_an_evicted_latest_store_is_matched_to_it() -> None:
     _grown(events, no_loads, hits, [5, 20], [5, 20])
     # A run after the one that read it: the sums its state carries no longer count it never read.
     _grown(events, no_loads, hits, [5, 20, 30], [5, 20, 30])
+
+
+def test_a_kept_evicted_store_stored_again_leaves_the_state() -> None:
+    """A store kept evicted at one checkpoint (the latest of its block there) whose block is stored
+    again before the next one is settled then: the next state keeps only the newer store."""
+    schema = {"block_hash": pl.UInt64, "block_tokens": pl.Int32, "seq": pl.UInt64}
+    events = pl.DataFrame([_ev(1, "r0", "stored", A, "gpu"), _ev(2, "r0", "removed", A, "gpu"),
+                           _ev(10, "r0", "stored", A, "gpu"), _ev(11, "r0", "removed", A, "gpu")],
+                          schema_overrides=schema)
+    unseen = pl.DataFrame([_hit("q", "r0", 30, B, "hit_local")],  # after both runs' ends
+                          schema_overrides={"block_hash": pl.UInt64})
+    no_loads = pl.DataFrame(schema={"scenario": pl.Utf8, "request_id": pl.Utf8, "ts_ns": pl.Int64,
+                                    "replica": pl.Utf8, "origin": pl.Utf8, "block_hash": pl.UInt64,
+                                    "bytes": pl.Int64, "status": pl.Utf8})
+    state = _grown(events, no_loads, unseen, [5, 20], [5, 20])
+    assert state is not None
+    assert state.stores.select("ts_ns", "ended").to_dicts() == [{"ts_ns": 10, "ended": "removed"}]
 
 
 class _Unread:
