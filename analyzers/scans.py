@@ -151,6 +151,16 @@ def _merged(parts: list[pl.DataFrame | None], names: list[str], values: Mapping[
     # twice as long on the content hashes of the isolation audit, an aggregate as large as the
     # blocks ever stored, merged twice a run.
     frames = [p for p in parts if p is not None]
+    if len(frames) == 2 and len(names) == 1 and frames[0].height > frames[1].height \
+            and not frames[0][names[0]].null_count() and not frames[1][names[0]].null_count():
+        # A continued aggregate (the prior) grows with the lake's age, its new part with the rows
+        # since the checkpoint: only the prior's groups the part names are merged, the rest kept
+        # as they are (the content hashes of the isolation audit: a third of the time of a merge
+        # of every group on the steady lake's 5th state, 54k groups).
+        prior, part = frames
+        named = prior[names[0]].is_in(part[names[0]].implode())
+        return pl.concat([prior.filter(~named), _merged([prior.filter(named), part], names, values)],
+                         how="vertical_relaxed")
     frame = pl.concat(frames, how="vertical_relaxed") if len(frames) > 1 else frames[0]
     if not values:
         return frame.select(names).unique()

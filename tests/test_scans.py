@@ -18,6 +18,10 @@ def _aggregates(scans: Scans, rel: duckdb.DuckDBPyRelation) -> dict[str, pl.Data
     return {
         "counts": scans.aggregate("counts", "ev", rel, ["rep", "CAST(kind AS VARCHAR) AS kind"], _VALUES),
         "pairs": scans.aggregate("pairs", "ev", rel.filter("tok IS NOT NULL"), ["rep", "tok"]),
+        # one key: a prior larger than its new part merges only the groups the part names
+        "by_tok": scans.aggregate("by_tok", "ev", rel.filter("tok IS NOT NULL"), ["tok"], _VALUES),
+        "toks": scans.aggregate("toks", "ev", rel.filter("tok IS NOT NULL"), ["tok"]),
+        "by_rep": scans.aggregate("by_rep", "ev", rel, ["rep"], _VALUES),  # a NULL key: merged whole
     }
 
 
@@ -28,7 +32,7 @@ def _same(a: pl.DataFrame, b: pl.DataFrame) -> bool:
 @settings(max_examples=120, deadline=None)
 @given(rows=st.lists(st.tuples(st.one_of(st.none(), st.integers(0, 50)), st.sampled_from(["a", "b", None]),
                                st.sampled_from(["stored", "removed"]),
-                               st.one_of(st.none(), st.integers(1, 3))), max_size=40),
+                               st.one_of(st.none(), st.integers(1, 12))), max_size=40),
        ends=st.lists(st.integers(1, 51), min_size=1, max_size=4, unique=True), lag=st.integers(0, 8),
        known=st.lists(st.booleans(), min_size=5, max_size=5))
 def test_continued_aggregates_equal_those_of_the_whole_lake(
