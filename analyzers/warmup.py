@@ -140,7 +140,7 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
     starts = _starts(ledger, kv_events, scans or Scans({"kv_events": (kv_events, "ts_ns")})).with_columns(
         next_ns=pl.col("start_ns").shift(-1).over("replica"))
     start_ns = starts["start_ns"].to_numpy()
-    rows = []
+    found = []
     for rep, start, kind, nxt in starts.select("replica", "start_ns", "start_kind", "next_ns").iter_rows():
         seg = ledger.filter((pl.col("replica") == rep) & (pl.col("arrival_ns") >= start)
                             & (pl.col("arrival_ns") < (nxt if nxt is not None else np.iinfo(np.int64).max)))
@@ -148,9 +148,15 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
             continue
         need = (seg["hit_tokens"] + seg["miss_tokens"] + seg["recomputed_last_tokens"]).to_numpy()
         at = _steady(seg["hit_tokens"].to_numpy(), need, steady_fraction * ratio, steady_requests)
-        warm = seg if at is None else seg.head(at)
+        found.append((rep, start, kind, seg, need, at, seg if at is None else seg.head(at)))
+    # the warm-up requests' blocks, picked from the outcomes once for every start (the outcomes
+    # grow with the lake's age; the warm-up requests do not)
+    warming = pl.concat([f[-1]["request_id"] for f in found]) if found else pl.Series([], dtype=pl.String)
+    warm_blocks = block_outcomes.filter(pl.col("request_id").is_in(warming.implode()))
+    rows = []
+    for rep, start, kind, seg, need, at, warm in found:
         excess = ratio * float(need[: warm.height].sum()) - float(warm["hit_tokens"].sum())
-        saved = _saved(block_outcomes, warm["request_id"], hot["block_hash"])
+        saved = _saved(warm_blocks, warm["request_id"], hot["block_hash"])
         n_starts = int(np.sum(np.abs(start_ns - start) < prewarm_window_ns))
         w_bytes = int(hot["bytes"].sum())
         rows.append({
