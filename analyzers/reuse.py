@@ -317,7 +317,7 @@ _FULL_BLOCK = "block_tokens IS NOT NULL AND block_tokens = coalesce(block_size_t
 def request_stream(request_blocks: duckdb.DuckDBPyRelation,
                    requests: duckdb.DuckDBPyRelation | None = None, prior: pl.DataFrame | None = None,
                    since_ns: int | None = None, unchanged_before: int | None = None) -> pl.DataFrame:
-    """The `requests` stream: block_hash, block_tokens, ts_ns, position, replica, in access order.
+    """The `requests` stream: ts_ns, position, block_hash, block_tokens, replica, in access order.
 
     The prefix-cache stream: the **full** blocks of the scenario's request_blocks only. A partial
     tail is never cached by an engine (vLLM's ``KVCacheManager`` hashes and caches full blocks
@@ -351,7 +351,10 @@ def _stream_rows(full: duckdb.DuckDBPyRelation, requests: duckdb.DuckDBPyRelatio
         frame = frame.join(reps.unique("request_id"), on="request_id", how="left", maintain_order="left")
     else:
         frame = frame.with_columns(replica=pl.lit(None, pl.String))
-    return frame.rename({"arrival_ns": "ts_ns"})
+    # The request id ordered the stream and found each access's replica; no reader needs it after
+    # (a saved state keeps the stream before its checkpoint: without the ids, the steady lake's 5th
+    # reuse state is 0.59 MB instead of 0.68, and is written and read in 18 ms instead of 26).
+    return frame.drop("request_id").rename({"arrival_ns": "ts_ns"})
 
 
 def _rows_at(stream: str, keys: np.ndarray, ts: pl.Series, d: Distances, at: np.ndarray) -> pl.DataFrame:
