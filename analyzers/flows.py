@@ -35,7 +35,9 @@ cannot be an earlier one's successor nor come before the read); a store before `
 residency ended before ``S`` and that is not the latest store of its location, tier class and
 block before ``S`` (only that one can still be matched by a later read). Kept open: the other
 stores before ``S`` (with whether they were read, and how their residency ended when that is
-known) and the other reads before ``S`` (with no store matched yet, or one from ``S`` on). The
+known: then its never-read bytes are in the sums already, and a later read of it takes them back,
+so the next runs do not sum every block evicted unread again) and the other reads before ``S``
+(with no store matched yet, or one from ``S`` on). The
 reads of the requests that look up from ``S`` on come from the ledger again. The sizes of events
 without ``block_tokens`` follow the ledger's median block: a state that used it is refused when it
 moved, as are one of another window or model (the run is then a full one).
