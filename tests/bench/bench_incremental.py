@@ -146,7 +146,7 @@ def _lake(scenario: str, fleet: SimConfig) -> bool:
               f"6th {last:.2f} s ({', '.join(sorted(modes))}), "
               f"peak RSS {max(p[1].rss_mib for p in pairs):.0f} MiB (measured)")
         print(f"   full rebuild of {INCREMENTS}: {full.seconds:.2f} s, peak RSS {full.rss_mib:.0f} MiB; "
-              f"6th / 1st = {last / first:.2f}x in pairs (target <= {TARGET_RATIO}x; "
+              f"6th / 1st = {last / first:.3f}x in pairs (target <= {TARGET_RATIO}x; "
               f"{runs[-1].seconds / runs[0].seconds:.2f}x in the series above), "
               f"full / 1st = {full.seconds / runs[0].seconds:.2f}x in the series (measured)")
         return last / first <= TARGET_RATIO and modes == {"appended"}
