@@ -131,7 +131,7 @@ def _in_order(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: np.nd
             added = total + term
             comp += (total - added) + term if abs(total) >= abs(term) else (term - added) + total
             total = added
-        means[q] = (total + comp) / max(1, last_stop - ts[0]) if n else 0.0
+        means[q] = (total + comp) / max(1, last_stop - ts[0])  # (the caller gives n > 0)
         accessed, stopped, peak = 0, 0, -(2**62)
         e, r = 0, 0
         for a in range(n):
@@ -176,12 +176,6 @@ def _residences(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: Seq
     return out
 
 
-def _residence(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttl_ns: int,
-               end_ns: int) -> tuple[float, float]:
-    """``_residences`` of one TTL."""
-    return _residences(ts, nxt, sizes, [ttl_ns], end_ns)[0]
-
-
 def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
                  ttls_s: Sequence[float] = DEFAULT_TTLS_S,
                  stream: AccessStream | None = None) -> pl.DataFrame:
@@ -205,10 +199,11 @@ def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: in
     lru_w = np.concatenate([[0], np.cumsum(re_sizes[np.argsort(d.bytes[re], kind="stable")])])
     total, re_total, reaccesses = sizes.sum(), re_sizes.sum(), int(re.sum())
     ttls = sorted(ttls_s)
-    held = _residences(ts, nxt, sizes, [int(ttl * _NS_PER_S) for ttl in ttls], int(ts.max()))
+    ttls_ns = [int(ttl * _NS_PER_S) for ttl in ttls]
     rows = []
-    for ttl, (mean, peak) in zip(ttls, held, strict=True):
-        cov = interval <= int(ttl * _NS_PER_S)
+    for ttl, ttl_ns, (mean, peak) in zip(ttls, ttls_ns, _residences(ts, nxt, sizes, ttls_ns, int(ts.max())),
+                                         strict=True):
+        cov = interval <= ttl_ns
         covered = re_sizes[cov].sum()
         lru_hit = lru_w[np.searchsorted(lru_d, peak, side="right")] / total
         rows.append({

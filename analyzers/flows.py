@@ -287,9 +287,10 @@ def _summed(frames: list[pl.DataFrame], window_ns: int) -> pl.DataFrame:
 
 def _state_at(at: int, first: int, ev: pl.DataFrame, stores: pl.DataFrame, reads: pl.DataFrame,
               copies: pl.DataFrame, before: FlowsState | None, window_ns: int, bytes_per_token: int,
-              fill_tokens: int, idle: pl.DataFrame | None = None) -> FlowsState:
+              fill_tokens: int, idle: pl.DataFrame | None, taken_back: pl.DataFrame) -> FlowsState:
     """The state at ``at`` after a run that numbered its events from ``first`` (``before``: the
-    state it continued from; ``idle``: its stores this run could not change, kept as they are)."""
+    state it continued from; ``idle``: its stores this run could not change, kept as they are;
+    ``taken_back``: ``_read_since`` of ``stores``)."""
     early = reads.filter(pl.col("lookup_ns") < at)
     final_read = pl.col("match_ts").is_not_null() & (pl.col("match_ts") < at)
     pre = stores.filter(pl.col("ts_ns") < at)
@@ -307,7 +308,7 @@ def _state_at(at: int, first: int, ev: pl.DataFrame, stores: pl.DataFrame, reads
     # A store kept with its end known is counted now, at the read flag it is kept with: the next run
     # sums only what a read of it takes back (``_read_since``), not every such store again.
     parts.append(_closed(pre.filter(~pl.col("final") & known & ~counted)))
-    parts.append(_read_since(stores))
+    parts.append(taken_back)
     if before is not None:
         parts.append(before.sums)
     sums = _summed(parts, window_ns)
@@ -387,7 +388,8 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
                                  was_read=pl.col("read"))
     copies = _copies(transfers if since is None else transfers.filter(
         duckdb.ColumnExpression("ts_ns") >= duckdb.ConstantExpression(since)))
-    parts = [*_parts(reads, stores.filter(~pl.col("counted")), first), copies, _read_since(stores)]
+    taken_back = _read_since(stores)
+    parts = [*_parts(reads, stores.filter(~pl.col("counted")), first), copies, taken_back]
     if resume is not None:
         parts.append(resume.sums)
     out = _summed(parts, window_ns).filter(pl.sum_horizontal(_SUMS) > 0)
@@ -396,7 +398,7 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
     state = None
     if checkpoint_ns is not None and (since is None or checkpoint_ns >= since):
         state = _state_at(checkpoint_ns, first, ev, stores, reads, copies, resume, window_ns, bytes_per_token,
-                          typical_tokens, idle)
+                          typical_tokens, idle, taken_back)
     return out, state
 
 

@@ -151,7 +151,8 @@ def warmup(*, request_ledger: pl.DataFrame, block_outcomes: pl.DataFrame,
         found.append((rep, start, kind, seg, need, at, seg if at is None else seg.head(at)))
     # the warm-up requests' blocks, picked from the outcomes once for every start (the outcomes
     # grow with the lake's age; the warm-up requests do not)
-    warming = pl.concat([f[-1]["request_id"] for f in found]) if found else pl.Series([], dtype=pl.String)
+    warming = (pl.concat([warm["request_id"] for *_, warm in found]) if found
+               else pl.Series([], dtype=pl.String))
     warm_blocks = block_outcomes.filter(pl.col("request_id").is_in(warming.implode()))
     rows = []
     for rep, start, kind, seg, need, at, warm in found:

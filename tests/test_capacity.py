@@ -129,7 +129,7 @@ def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
     order (stops merged from two sorted runs) and out of it (stops sorted)."""
     import numpy as np
 
-    from kvlens.analyzers.capacity import _residence, _residences
+    from kvlens.analyzers.capacity import _residences
 
     rng = np.random.default_rng(seed)
     for _ in range(200):
@@ -154,11 +154,12 @@ def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
         # bytes only grow at an access, so the peak is at one of their times)
         expected = max(sum(int(s) for t0, t1, s in zip(ts, stop, sizes, strict=True) if t0 <= t < t1)
                        for t in ts.tolist())
-        mean, peak = _residence(ts, nxt, sizes, ttl, end)
+        ((mean, peak),) = _residences(ts, nxt, sizes, [ttl], end)
         assert peak == expected
         span = max(1, int(stop.max()) - int(ts.min()))
         held = sum(int(s) * int(t1 - t0) for t0, t1, s in zip(ts, stop, sizes, strict=True))
         assert mean == pytest.approx(held / span, rel=1e-12, abs=1e-12)
         # several TTLs in one call (the kernel shares its work arrays between them) give each one's
         ttls = [int(t) for t in rng.integers(0, 12, 3)]
-        assert _residences(ts, nxt, sizes, ttls, end) == [_residence(ts, nxt, sizes, t, end) for t in ttls]
+        one_each = [_residences(ts, nxt, sizes, [t], end)[0] for t in ttls]
+        assert _residences(ts, nxt, sizes, ttls, end) == one_each
