@@ -124,44 +124,61 @@ def _f(g: Group, key: str) -> float:
     return float(g[key])
 
 
-def _terms(g: Group, costs: CostModel, seen: dict[tuple[Any, ...], Any] | None = None) -> Group:
-    """Per group: the path, per-load figures and the gross benefit (before displacement).
-    ``seen``: the cost model's answers so far (groups repeat segment sizes and starts; the model
-    interpolates in Python, once per distinct question then)."""
-    seg_tokens, seg_bytes = _i(g, "segment_tokens"), _i(g, "segment_bytes")
-    path = LoadPath.LOCAL_TIER if g["replicas"] == 1 else LoadPath.POOL
-    seen = {} if seen is None else seen
-    start = _i(g, "start_tokens")
-    if (asked := ("recompute", seg_tokens, start)) not in seen:
-        seen[asked] = costs.saved_recompute_ms(seg_tokens, start)
-    saved, rec_label = seen[asked]
-    if (load := ("load", seg_bytes, path)) not in seen:
-        seen[load] = (costs.remote_ms(seg_bytes, path), costs.write_ms(seg_bytes, path)[0])
-    (remote, remote_label), write = seen[load]
-    served = _i(g, "miss_routing_tokens") + _i(g, "miss_evicted_tokens") + _i(g, "hit_remote_tokens")
-    loads = served / seg_tokens
-    return {"path": str(path), "recompute_ms": saved, "recompute_label": str(rec_label),
-            "remote_ms": remote, "remote_label": str(remote_label),
-            "h_remote_ratio": loads / _i(g, "requests"),
-            "gross_ms": loads * (saved - remote),
-            "stall_ms": _i(g, "miss_load_failed_tokens") / seg_tokens * remote, "write_ms": write}
+def _answers(keys: pl.DataFrame, ask: Any, schema: dict[str, Any]) -> pl.DataFrame:
+    """``keys`` (distinct questions to the cost model) with ``ask``'s answers to each, as columns
+    ``schema`` (the model interpolates in Python: groups repeat segment sizes and starts, so it is
+    asked once per distinct question, not once per group)."""
+    answers = [ask(*row) for row in keys.iter_rows()]
+    return keys.with_columns(pl.Series(name, [a[i] for a in answers], dtype=dtype)
+                             for i, (name, dtype) in enumerate(schema.items()))
 
 
-def _eviction(groups: list[Group], capacity_bytes: int) -> None:
+def _with_terms(groups: pl.DataFrame, costs: CostModel) -> pl.DataFrame:
+    """Per group: the path, per-load figures and the gross benefit (before displacement), on
+    columns (the figures are the same float64 operations, in the same order, as on one group)."""
+    paths = {str(p): p for p in (LoadPath.LOCAL_TIER, LoadPath.POOL)}
+    g = groups.with_columns(path=pl.when(pl.col("replicas") == 1).then(pl.lit(str(LoadPath.LOCAL_TIER)))
+                            .otherwise(pl.lit(str(LoadPath.POOL))))
+
+    def recompute(tokens: int, start: int) -> tuple[float, str]:
+        saved, label = costs.saved_recompute_ms(tokens, start)
+        return saved, str(label)
+
+    def load(nbytes: int, path: str) -> tuple[float, str, float]:
+        remote, label = costs.remote_ms(nbytes, paths[path])
+        return remote, str(label), costs.write_ms(nbytes, paths[path])[0]
+
+    keys = ["segment_tokens", "start_tokens"]
+    g = g.join(_answers(g.select(keys).unique(), recompute,
+                        {"recompute_ms": pl.Float64, "recompute_label": pl.String}), on=keys, how="left")
+    keys = ["segment_bytes", "path"]
+    g = g.join(_answers(g.select(keys).unique(), load,
+                        {"remote_ms": pl.Float64, "remote_label": pl.String, "write_ms": pl.Float64}),
+               on=keys, how="left")
+    served = pl.col("miss_routing_tokens") + pl.col("miss_evicted_tokens") + pl.col("hit_remote_tokens")
+    tokens = pl.col("segment_tokens").cast(pl.Float64)
+    loads = served.cast(pl.Float64) / tokens
+    return g.with_columns(
+        h_remote_ratio=loads / pl.col("requests").cast(pl.Float64),
+        gross_ms=loads * (pl.col("recompute_ms") - pl.col("remote_ms")),
+        stall_ms=pl.col("miss_load_failed_tokens").cast(pl.Float64) / tokens * pl.col("remote_ms"))
+
+
+def _with_eviction(groups: pl.DataFrame, capacity_bytes: int) -> pl.DataFrame:
     """P_eviction: a segment displaces its bytes of average-value content once the pool is full.
 
     Demand is the segment bytes of every group worth loading at all (gross > 0); the share of
     it that cannot fit, ``1 − C/D``, is what a new segment's bytes push out, each byte worth
     the average ``V/D`` of that demand.
     """
-    worth = [g for g in groups if _f(g, "gross_ms") > 0]
-    demand = sum(_i(g, "segment_bytes") for g in worth)
+    worth = groups.filter(pl.col("gross_ms") > 0)
+    demand = int(worth["segment_bytes"].sum())
     # fsum: exact whatever order group_by returned the groups in, so two analyses agree to the bit
-    value = math.fsum(_f(g, "gross_ms") for g in worth)
+    value = math.fsum(worth["gross_ms"].to_list())
     per_byte = value / demand * max(0.0, 1.0 - capacity_bytes / demand) if demand else 0.0
-    for g in groups:
-        g["eviction_ms"] = per_byte * _i(g, "segment_bytes")
-        g["benefit_ms"] = _f(g, "gross_ms") - _f(g, "stall_ms") - _f(g, "write_ms") - g["eviction_ms"]
+    evicted = pl.lit(per_byte, pl.Float64) * pl.col("segment_bytes").cast(pl.Float64)
+    return groups.with_columns(eviction_ms=evicted).with_columns(
+        benefit_ms=pl.col("gross_ms") - pl.col("stall_ms") - pl.col("write_ms") - pl.col("eviction_ms"))
 
 
 def _recommend(r: Group) -> tuple[str, str]:
@@ -205,18 +222,17 @@ def prefix_ranking(*, block_outcomes: pl.DataFrame, costs: CostModel, scenario: 
     """
     rows = block_outcomes.select("request_id", "replica", "arrival_ns", "position", "block_hash",
                        pl.col("outcome").cast(pl.String), "tokens", "bytes")
-    groups = _groups(_segments(rows)).filter(pl.col("segment_tokens") > 0).to_dicts()
-    seen: dict[tuple[Any, ...], Any] = {}
-    for g in groups:
-        g.update(_terms(g, costs, seen))
-    _eviction(groups, costs.device.pool_capacity_bytes)
-    groups.sort(key=lambda g: (-_f(g, "benefit_ms"), _i(g, "prefix_hash")))
-    top = groups[:top_n]
+    groups = _groups(_segments(rows)).filter(pl.col("segment_tokens") > 0)
+    if groups.height == 0:
+        return pl.DataFrame(schema=_SCHEMA)
+    ranked = _with_eviction(_with_terms(groups, costs), costs.device.pool_capacity_bytes)
+    # best first, ties by tip (+ 0.0: a benefit of -0.0 ranks as 0.0 does)
+    order = ranked.sort(pl.col("benefit_ms") + 0.0, "prefix_hash", descending=[True, False])
+    top = order.head(top_n).to_dicts()
     for i, g in enumerate(top, 1):
         g["rank"], g["scenario"], g["reuses"] = i, scenario, int(g["requests"]) - 1
         g["recommendation"], g["reason"] = _recommend(g)
-    return pl.DataFrame(top, schema=_SCHEMA) if top else pl.DataFrame(schema=_SCHEMA)
-
+    return pl.DataFrame(top, schema=_SCHEMA)
 
 _SCHEMA = {
     "scenario": pl.String, "rank": pl.Int64, "prefix_hash": pl.UInt64, "parent_hash": pl.UInt64,
