@@ -6,11 +6,13 @@ them; the baseline is the one-process ``replay_core`` on them, measured in this 
 
 - phase 1 (``block_states``) per partition, in process: each partition's look-ups per second
   is one worker's throughput;
-- the serial part (phase 2, the content maps, scattering the partitions' results back);
+- phase 2 (``decide_requests``, every request in one pass in the driver), timed on its own;
+- the serial part besides it (the content maps, cutting the inputs and scattering the results
+  back);
 - ``replay_partitioned`` on a local Ray cluster of 1 and of 2 workers (``num_cpus``), after a
   warm-up run so that no worker times numba's cache load; outputs checked equal to the core's;
-- 64 workers, **modelled**: the serial part plus the in-process phase-1 time over 64, plus the
-  per-partition Ray overhead measured with 2 workers. Not measured: this machine has 2 CPUs.
+- 64 workers, **modelled**: the serial part (phase 2 included) plus the in-process phase-1 time
+  over 64, plus the Ray overhead measured with 2 workers. Not measured: this machine has 2 CPUs.
 
 Target: the partitioned replay's outputs equal the core's, every run.
 """
@@ -20,6 +22,8 @@ from __future__ import annotations
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +32,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_ledger import _capture, _lake
 
+from kvlens.analyzers import partitions
 from kvlens.analyzers.partitions import replay_partitioned
 from kvlens.analyzers.replay import loc_groups, replay_core
 
@@ -49,6 +54,25 @@ def _timed_phase_one(per_part: list[tuple[int, float]]) -> Any:
             per_part.append((len(p[10]), time.perf_counter() - t0))
             yield got
     return run
+
+
+@contextmanager
+def _timed_phase_two(took: list[float]) -> Iterator[None]:
+    """Times phase 2 (partitions.py calls ``decide_requests`` once, in the driver)."""
+    decide = partitions.decide_requests
+
+    def timed(*args: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return decide(*args)
+        finally:
+            took.append(time.perf_counter() - t0)
+
+    partitions.decide_requests = timed
+    try:
+        yield
+    finally:
+        partitions.decide_requests = decide
 
 
 def _ray_run(workers: int, pargs: tuple[Any, ...], want: list[list[int]]) -> float:
@@ -82,11 +106,14 @@ def main() -> bool:
     want = [np.asarray(x).tolist() for x in replay_core(*args)]
     replay_partitioned(*pargs, partitions=PARTITIONS)  # compiles or loads the phase kernels
     per_part: list[tuple[int, float]] = []
-    t0 = time.perf_counter()
-    got = replay_partitioned(*pargs, partitions=PARTITIONS, run=_timed_phase_one(per_part))
-    whole_s = time.perf_counter() - t0
+    phase2: list[float] = []
+    with _timed_phase_two(phase2):
+        t0 = time.perf_counter()
+        got = replay_partitioned(*pargs, partitions=PARTITIONS, run=_timed_phase_one(per_part))
+        whole_s = time.perf_counter() - t0
     equal = [np.asarray(x).tolist() for x in got] == want
     phase1_s = sum(s for _, s in per_part)
+    phase2_s = sum(phase2)
     serial_s = whole_s - phase1_s
     rates = [n / s for n, s in per_part if s > 0]
     print(f"   scenario rr8: {n_blk:,} block look-ups, {len(args[0]):,} events, {PARTITIONS} partitions")
@@ -95,7 +122,10 @@ def main() -> bool:
           f"{whole_s / core_s:.2f}x the core; outputs {'equal' if equal else 'DIFFER'})")
     print(f"     phase 1, per partition (a worker)  {min(rates):>12,.0f} to {max(rates):,.0f} look-ups/s "
           f"({phase1_s:.3f} s over {PARTITIONS} partitions, measured)")
-    print(f"     serial: phase 2, content, gather   {serial_s:>12.3f} s  (measured)")
+    print(f"     serial, in the driver              {serial_s:>12.3f} s  (measured), of which")
+    print(f"       phase 2, every request           {n_blk / phase2_s:>12,.0f} look-ups/s  "
+          f"({phase2_s:.3f} s, measured)")
+    print(f"       content, cutting, gathering      {serial_s - phase2_s:>12.3f} s  (measured)")
     try:
         import ray  # noqa: F401
     except ImportError:
