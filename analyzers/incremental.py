@@ -17,8 +17,9 @@ On the next ``kvlens analyze`` each chosen scenario is, in this order:
   ``--metrics-from``, the analysis DB's schema version or the analyzers' code (a digest of
   their source files);
 - ``full`` as well when a recorded segment is gone (a re-import, ``kvlens compact``) or a new
-  segment holds rows older than the watermark less ``LATE_LAG_NS`` (a late segment, e.g. from a
-  collector that flushed late): the reason is logged;
+  segment holds rows older than the previous analysis' *horizon*, its watermark less the lag
+  (``late_lag``: ``LATE_LAG_NS``, or more when its live collectors' segments showed rows landing
+  later, as the gateway's long requests do): a late segment; the reason is logged;
 - ``carried``: its input segments are exactly those recorded: its rows are copied from the
   previous DB, unchanged (``analyzed_ns`` in ``scenarios`` keeps the time they were computed);
 - ``appended``: only new segments, none late: the ledger (``block_outcomes``) continues from the
@@ -119,12 +120,12 @@ from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs", "Segment", "StateWorker", "base_file",
-           "base_fits", "carry_scenario",
-           "clear_scenario", "code_digest", "decide", "delete_requests", "delete_since", "detach_previous",
-           "drop_others", "flows_resume_of", "horizon", "keep_scenario", "new_rows_from", "previous_state",
-           "resume_of",
-           "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot", "write_ledger", "write_state"]
+__all__ = ["LATE_LAG_NS", "LIVE_WINDOW_NS", "MAX_LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs",
+           "Segment", "StateWorker", "base_file", "base_fits", "carry_scenario", "clear_scenario",
+           "code_digest", "decide", "delete_requests", "delete_since", "detach_previous", "drop_others",
+           "flows_resume_of", "horizon", "keep_scenario", "late_lag", "new_rows_from",
+           "previous_state", "resume_of", "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot",
+           "write_ledger", "write_state"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -132,6 +133,14 @@ log = logging.getLogger(__name__)
 # A new segment may hold rows this much older than the watermark and still count as new data
 # (collectors flush on their own clocks and intervals); older rows make it a late segment.
 LATE_LAG_NS = 60 * 1_000_000_000
+# Live collectors write some rows later than that: the gateway and the OTLP receiver write a
+# request when it finishes, stamped with its arrival, so its row is as late as the request was long
+# (and the flush after it); the scrape flushes every 60 s. A segment whose newest row is stamped
+# within LIVE_WINDOW_NS of the time it was written is a live collector's (an imported trace's rows
+# are stamped when its requests ran, long before), and how late its oldest row landed is seen
+# (``late_lag``). The lag grows to a quarter more than the latest seen, up to MAX_LATE_LAG_NS.
+LIVE_WINDOW_NS = 10 * 60 * 1_000_000_000
+MAX_LATE_LAG_NS = 60 * 60 * 1_000_000_000
 _NOTHING_NEW = 2**63 - 1  # new_rows_from's time for a table that gained no segment
 STATE_TABLE = "kvlens_state"
 PREVIOUS = "kvlens_prev"  # the alias the previous analysis DB is attached under
@@ -302,12 +311,11 @@ def decide(now: Inputs, before: Inputs | None, *, full: bool, no_state: str | No
     new = [s for s in now.segments if s.path not in known]
     if not new:
         return Decision("carried", "no new segments")
-    mark = before.watermark_ns
-    late = [s for s in new
-            if mark is not None and s.oldest_ns is not None and s.oldest_ns < mark - LATE_LAG_NS]
+    mark, edge = before.watermark_ns, horizon(before)
+    late = [s for s in new if edge is not None and s.oldest_ns is not None and s.oldest_ns < edge]
     if late:
         return Decision("full", f"late segment {late[0].path}: its oldest row ({late[0].oldest_ns} ns) is "
-                                f"older than the watermark {mark} ns less the lag {LATE_LAG_NS} ns")
+                                f"older than the watermark {mark} ns less the lag {late_lag(before)} ns")
     return Decision("appended", f"{len(new)} new segment(s) after the watermark {mark} ns")
 
 
@@ -360,11 +368,23 @@ def new_rows_from(now: Inputs, before: Inputs, scenario: str) -> dict[str, int]:
     return out
 
 
+def late_lag(inputs: Inputs) -> int:
+    """How much older than the watermark a new segment's rows may be: ``LATE_LAG_NS``, or a
+    quarter more than the latest any live collector's segment among ``inputs`` landed (its write
+    time less its oldest row: a request as long as it ran, the scrape's flush interval), up to
+    ``MAX_LATE_LAG_NS``. From the segments alone, so the next analysis computes the same lag from
+    the recorded ones (``decide``: a segment older than the horizon is late)."""
+    seen = [s.mtime_ns - s.oldest_ns for s in inputs.segments
+            if s.oldest_ns is not None and s.newest_ns is not None
+            and abs(s.mtime_ns - s.newest_ns) <= LIVE_WINDOW_NS]
+    return min(max([LATE_LAG_NS, *(late + late // 4 for late in seen)]), MAX_LATE_LAG_NS)
+
+
 def horizon(inputs: Inputs) -> int | None:
     """The time before which no row of the scenario can still arrive without a full rebuild: the
-    watermark less ``LATE_LAG_NS`` (``decide`` rebuilds on a segment older than that)."""
+    watermark less ``late_lag`` (``decide`` rebuilds on a segment older than that)."""
     mark = inputs.watermark_ns
-    return None if mark is None else mark - LATE_LAG_NS
+    return None if mark is None else mark - late_lag(inputs)
 
 
 def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> tuple[int | None, bytes] | None:

@@ -7,8 +7,9 @@ changes them), and the state is the cache after exactly the events stamped befor
 replays only the events from ``T_c`` on for the requests that arrived from ``T_c`` on
 (analyzers/outcomes.py, ``ledger_outcomes``). The result equals a full replay because:
 
-- new lake data holds no row older than the previous watermark less ``LATE_LAG_NS``
-  (analyzers/incremental.py rebuilds in full otherwise), the *horizon*; ``T_c`` is at most that,
+- new lake data holds no row older than the previous watermark less the lag
+  (analyzers/incremental.py ``horizon`` and ``late_lag``; it rebuilds in full otherwise), the
+  *horizon*; ``T_c`` is at most that,
   so the events before ``T_c`` and their order are the same in every later analysis;
 - the requests that look up before ``T_c`` are settled: ``T_c`` is lowered until each of them
   sees at most the events before it (its look-up place is at most the checkpoint's) and its

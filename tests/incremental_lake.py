@@ -86,16 +86,18 @@ def row_bounds(lake: Path, parts: int, scenarios: Sequence[str] = ()) -> list[in
 
 
 def cut(source: Path, dest: Path, lo: int | None, hi: int, *, writer: str,
-        scenarios: Sequence[str] = ()) -> int:
+        scenarios: Sequence[str] = (), tables: Sequence[str] = ()) -> int:
     """Append to ``dest`` the rows of ``source`` whose time is in [lo, hi) (lo None: every row
-    before hi, and every row without a time), one segment per table and scenario (``scenarios``,
-    default all); rows written."""
+    before hi, and every row without a time), one segment per table (``tables``, default all)
+    and scenario (``scenarios``, default all); rows written."""
     con = duckdb.connect()
     written = 0
     try:
         open_lake(con, source)
         present = [r[0] for r in con.execute(SCENARIOS_SQL).fetchall()]
         for table in LAKE_TABLES:
+            if tables and table.name not in tables:
+                continue
             for scenario in scenarios or present:
                 t = table.time_column
                 where = "scenario = ?"

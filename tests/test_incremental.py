@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -20,11 +21,13 @@ from hypothesis import strategies as st
 from incremental_lake import assert_same_db, cut, source_lake, time_bounds
 
 import kvlens.analyzers as analyzers
+from kvlens.analyzers import incremental
 from kvlens.analyzers.analyze import AnalyzeResult, analyze_lake
-from kvlens.analyzers.incremental import STATE_TABLE, Inputs, Segment, new_rows_from
+from kvlens.analyzers.incremental import LATE_LAG_NS, STATE_TABLE, Inputs, Segment, new_rows_from
 from kvlens.cli import cli
 from kvlens.lake import open_lake
 from kvlens.models import get_model
+from kvlens.schema import LAKE_TABLES
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +85,92 @@ def test_full_flag_equals_the_default(tiny: Path, tmp_path: Path) -> None:
         assert_same_db(db, full)
     assert "rr2: appended (" in default.stderr
     assert "rr2: full (--full given)" in forced.stderr
+
+
+def _live(lake: Path, source: Path, lo: int, hi: int, *, writer: str, written_ns: int,
+          tables: tuple[str, ...]) -> None:
+    """``cut`` as a live collector would have written it: every file it adds carries the write
+    time ``written_ns`` (the lake's times are wall-clock times for a live collector)."""
+    before = set(lake.rglob("*.parquet"))
+    cut(source, lake, lo, hi, writer=writer, scenarios=["rr2"], tables=tables)
+    for path in set(lake.rglob("*.parquet")) - before:
+        os.utime(path, ns=(written_ns, written_ns))
+
+
+_REQUEST_TABLES = ("requests", "request_blocks")
+_OTHER_TABLES = tuple(t.name for t in LAKE_TABLES if t.name not in _REQUEST_TABLES)
+
+
+def _grow_live(source: Path, lake: Path, flushes: range) -> None:
+    """Flushes ``flushes`` of a live fleet over ``source``'s rr2: every collector flushes each 10 s
+    of the lake's time, and the gateway holds some requests back as long ones: those arriving in
+    the 2nd 10 s are written with the 11th flush (100 s late), those of the 5th with the 14th."""
+    (lo, _) = time_bounds(source, 1)
+    at = [lo + k * 10 * 10**9 for k in range(26)]
+    held = {1: 10, 4: 13}  # slice -> the flush that writes its requests
+    for k in flushes:
+        written = at[k + 1] + 10**9
+        bounds = [(None if j == 0 else at[j], at[j + 1] if j < 24 else 2**62) for j in range(25)]
+        _live(lake, source, *bounds[k], writer=f"ev{k}", written_ns=written, tables=_OTHER_TABLES)
+        for j in [*([] if k in held else [k]), *(j for j, by in held.items() if by == k)]:
+            _live(lake, source, *bounds[j], writer=f"gw{j}", written_ns=written, tables=_REQUEST_TABLES)
+
+
+def test_a_live_gateways_long_requests_are_appended_not_rebuilt(source: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway writes a request when it finishes, stamped with its arrival: a long request's
+    row lands minutes after rows stamped later. The requests the second analysis finds held back
+    precede the first one's watermark by more than LATE_LAG_NS, but the live segments the first
+    one saw showed rows landing 100 s late: the lag it kept is longer, so the second continues (and
+    equals a full analysis). Without that lag, the same lake is rebuilt in full."""
+    (lo, _) = time_bounds(source, 1)
+    for learned in (True, False):
+        if not learned:  # no segment counts as live: the fixed lag only
+            monkeypatch.setattr(incremental, "LIVE_WINDOW_NS", -1)
+        root = tmp_path / str(learned)
+        lake, db, full = root / "lake", root / "incr.duckdb", root / "full.duckdb"
+        _grow_live(source, lake, range(12))
+        assert _modes(analyze_lake(lake, db)) == {"rr2": "full"}
+        _grow_live(source, lake, range(12, 25))
+        with duckdb.connect(str(db), read_only=True) as con:
+            ((mark,),) = con.execute(f"SELECT watermark_ns FROM {STATE_TABLE}").fetchall()
+        assert lo + 40 * 10**9 < mark - LATE_LAG_NS  # the held-back requests are older than that
+        ((_, mode, why),) = analyze_lake(lake, db).modes
+        analyze_lake(lake, full, full=True)
+        assert_same_db(db, full)
+        if learned:
+            assert mode == "appended", why
+        else:
+            assert mode == "full" and why.startswith("late segment ") and "/gw4-" in why, why
+
+
+def test_the_lag_is_what_live_segments_show(tmp_path: Path) -> None:
+    """``late_lag``: a live segment (its newest row stamped near its write time) shows how late its
+    oldest row landed; the lag is a quarter more than the latest seen, never less than
+    LATE_LAG_NS nor more than MAX_LATE_LAG_NS; an imported segment (rows stamped long before it
+    was written) shows nothing."""
+    s = 10**9
+    now = 1_800_000_000 * s
+
+    def seg(name: str, oldest: int, newest: int, written: int) -> Segment:
+        return Segment(name, 1, written, oldest, newest)
+
+    live = seg("gw", now - 200 * s, now - s, now)  # a request 200 s long, written on its flush
+    imported = seg("trace", now - 10**6 * s, now - 9 * 10**5 * s, now)  # stamped days ago
+    assert incremental.late_lag(Inputs("{}", (imported,))) == LATE_LAG_NS
+    assert incremental.late_lag(Inputs("{}", (imported, live))) == 250 * s
+    assert incremental.late_lag(Inputs("{}", (seg("ev", now - 2 * s, now - s, now),))) == LATE_LAG_NS
+    week = seg("gw", now - 7 * 86400 * s, now - s, now)
+    assert incremental.late_lag(Inputs("{}", (week,))) == incremental.MAX_LATE_LAG_NS
+    # the horizon, and decide's late rule, follow it
+    inputs = Inputs("{}", (imported, live))
+    assert incremental.horizon(inputs) == now - s - 250 * s
+    new = seg("new", now - s - 240 * s, now + s, now + 2 * s)
+    assert incremental.decide(Inputs("{}", (imported, live, new)), inputs, full=False,
+                              no_state=None).mode == "appended"
+    older = seg("older", now - s - 260 * s, now + s, now + 2 * s)
+    assert incremental.decide(Inputs("{}", (imported, live, older)), inputs, full=False,
+                              no_state=None).mode == "full"
 
 
 def test_a_late_segment_falls_back_to_a_full_rebuild(source: Path, tmp_path: Path,
