@@ -316,7 +316,10 @@ def decide(now: Inputs, before: Inputs | None, *, full: bool, no_state: str | No
     if late:
         return Decision("full", f"late segment {late[0].path}: its oldest row ({late[0].oldest_ns} ns) is "
                                 f"older than the watermark {mark} ns less the lag {late_lag(before)} ns")
-    return Decision("appended", f"{len(new)} new segment(s) after the watermark {mark} ns")
+    lag = late_lag(now)
+    longer = (f"; rows up to {lag / 1e9:,.0f} s late accepted from now on (a quarter more than the latest "
+              "a live collector's rows landed)" if lag > LATE_LAG_NS else "")
+    return Decision("appended", f"{len(new)} new segment(s) after the watermark {mark} ns{longer}")
 
 
 def carry_scenario(con: duckdb.DuckDBPyConnection, scenario: str) -> int:
