@@ -234,6 +234,7 @@ def prefix_ranking(*, block_outcomes: pl.DataFrame, costs: CostModel, scenario: 
         g["recommendation"], g["reason"] = _recommend(g)
     return pl.DataFrame(top, schema=_SCHEMA)
 
+
 _SCHEMA = {
     "scenario": pl.String, "rank": pl.Int64, "prefix_hash": pl.UInt64, "parent_hash": pl.UInt64,
     "prefix_tokens": pl.Int64, "bytes": pl.Int64, "segment_tokens": pl.Int64, "segment_bytes": pl.Int64,
