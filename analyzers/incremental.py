@@ -120,8 +120,8 @@ from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["LATE_LAG_NS", "LIVE_WINDOW_NS", "MAX_LATE_LAG_NS", "STATE_TABLE", "Decision", "Inputs",
-           "Segment", "StateWorker", "base_file", "base_fits", "carry_scenario", "clear_scenario",
+__all__ = ["LATE_LAG_NS", "LATE_SEEN_NS", "LIVE_WINDOW_NS", "MAX_LATE_LAG_NS", "STATE_TABLE", "Decision",
+           "Inputs", "Segment", "StateWorker", "base_file", "base_fits", "carry_scenario", "clear_scenario",
            "code_digest", "decide", "delete_requests", "delete_since", "detach_previous", "drop_others",
            "flows_resume_of", "horizon", "keep_scenario", "late_lag", "new_rows_from",
            "previous_state", "resume_of", "reuse_resume_of", "scans_resume_of", "scenario_inputs", "snapshot",
@@ -138,8 +138,11 @@ LATE_LAG_NS = 60 * 1_000_000_000
 # (and the flush after it); the scrape flushes every 60 s. A segment whose newest row is stamped
 # within LIVE_WINDOW_NS of the time it was written is a live collector's (an imported trace's rows
 # are stamped when its requests ran, long before), and how late its oldest row landed is seen
-# (``late_lag``). The lag grows to a quarter more than the latest seen, up to MAX_LATE_LAG_NS.
+# (``late_lag``). The lag grows to a quarter more than the latest seen in the segments of the last
+# LATE_SEEN_NS before the watermark (a one-off, say a collector's backlog after a restart, ages
+# out), up to MAX_LATE_LAG_NS.
 LIVE_WINDOW_NS = 10 * 60 * 1_000_000_000
+LATE_SEEN_NS = 6 * 60 * 60 * 1_000_000_000
 MAX_LATE_LAG_NS = 60 * 60 * 1_000_000_000
 _NOTHING_NEW = 2**63 - 1  # new_rows_from's time for a table that gained no segment
 STATE_TABLE = "kvlens_state"
@@ -153,6 +156,12 @@ INSERT_STATE_SQL = f"INSERT INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?)"
 PREVIOUS_STATE_SQL = f"SELECT scenario, config, segments, watermark_ns FROM {PREVIOUS}.{STATE_TABLE}"
 PREVIOUS_VERSION_SQL = f"SELECT value FROM {PREVIOUS}.kvlens_meta WHERE key = 'schema_version'"
 _GLOBAL_TABLES = ("probe_runs",)  # read whole by every scenario (analyzers/costs.py)
+# Tables whose time is when a record was made (a probe's run, a simulation), not when the scenario's
+# traffic happened: they move no watermark and are never late (every analysis that reads them, the
+# cost model's and provenance's, is computed again every run). A lake of a trace recorded last
+# year and probed today would otherwise have its watermark today, and every new slice of the trace
+# would be late.
+_RECORD_PREFIXES = ("probe_runs/", "simulations/")
 # what analyzers import from the spine (routing.py: the simulator's policies)
 _CODE_FILES = ("models.py", "schema.py", "analysis_db.py", "lake.py", "query.py", "routing.py")
 
@@ -177,7 +186,9 @@ class Inputs:
 
     @property
     def watermark_ns(self) -> int | None:
-        times = [s.newest_ns for s in self.segments if s.newest_ns is not None]
+        """The newest row time among the segments of the scenario's traffic (not of records)."""
+        times = [s.newest_ns for s in self.segments
+                 if s.newest_ns is not None and not s.path.startswith(_RECORD_PREFIXES)]
         return max(times) if times else None
 
 
@@ -312,7 +323,8 @@ def decide(now: Inputs, before: Inputs | None, *, full: bool, no_state: str | No
     if not new:
         return Decision("carried", "no new segments")
     mark, edge = before.watermark_ns, horizon(before)
-    late = [s for s in new if edge is not None and s.oldest_ns is not None and s.oldest_ns < edge]
+    late = [s for s in new if edge is not None and s.oldest_ns is not None and s.oldest_ns < edge
+            and not s.path.startswith(_RECORD_PREFIXES)]
     if late:
         return Decision("full", f"late segment {late[0].path}: its oldest row ({late[0].oldest_ns} ns) is "
                                 f"older than the watermark {mark} ns less the lag {late_lag(before)} ns")
@@ -374,12 +386,15 @@ def new_rows_from(now: Inputs, before: Inputs, scenario: str) -> dict[str, int]:
 def late_lag(inputs: Inputs) -> int:
     """How much older than the watermark a new segment's rows may be: ``LATE_LAG_NS``, or a
     quarter more than the latest any live collector's segment among ``inputs`` landed (its write
-    time less its oldest row: a request as long as it ran, the scrape's flush interval), up to
-    ``MAX_LATE_LAG_NS``. From the segments alone, so the next analysis computes the same lag from
-    the recorded ones (``decide``: a segment older than the horizon is late)."""
+    time less its oldest row: a request as long as it ran, the scrape's flush interval) of those
+    whose newest row is within ``LATE_SEEN_NS`` of the watermark, up to ``MAX_LATE_LAG_NS``. From
+    the segments alone, so the next analysis computes the same lag from the recorded ones
+    (``decide``: a segment older than the horizon is late; the lag may shrink or grow between two
+    analyses, each continuation starts where the previous one's states are)."""
+    mark = inputs.watermark_ns
     seen = [s.mtime_ns - s.oldest_ns for s in inputs.segments
-            if s.oldest_ns is not None and s.newest_ns is not None
-            and abs(s.mtime_ns - s.newest_ns) <= LIVE_WINDOW_NS]
+            if s.oldest_ns is not None and s.newest_ns is not None and mark is not None
+            and abs(s.mtime_ns - s.newest_ns) <= LIVE_WINDOW_NS and s.newest_ns >= mark - LATE_SEEN_NS]
     return min(max([LATE_LAG_NS, *(late + late // 4 for late in seen)]), MAX_LATE_LAG_NS)
 
 

@@ -144,9 +144,29 @@ def test_a_live_gateways_long_requests_are_appended_not_rebuilt(source: Path, tm
             assert mode == "full" and why.startswith("late segment ") and "/gw4-" in why, why
 
 
+def test_a_record_made_today_moves_no_watermark(source: Path, tmp_path: Path) -> None:
+    """rr2's `simulations` row is stamped when the simulation ran (today), its traffic when the
+    trace's requests ran: the watermark is the traffic's, so a later slice of it is appended, not
+    late (with the record's time as the watermark, every slice would be older than the horizon)."""
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(source, 2)
+    cut(source, lake, None, 2**62, writer="sim", scenarios=["rr2"], tables=["simulations"])
+    traffic = tuple(t for t in _OTHER_TABLES + _REQUEST_TABLES if t != "simulations")
+    cut(source, lake, None, bounds[1], writer="a", scenarios=["rr2"], tables=traffic)
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "full"}
+    with duckdb.connect(str(db), read_only=True) as con:
+        ((mark,),) = con.execute(f"SELECT watermark_ns FROM {STATE_TABLE}").fetchall()
+    assert mark < bounds[1]
+    cut(source, lake, bounds[1], bounds[2], writer="b", scenarios=["rr2"], tables=traffic)
+    ((_, mode, why),) = analyze_lake(lake, db).modes
+    assert mode == "appended", why
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
+
+
 def test_the_lag_is_what_live_segments_show(tmp_path: Path) -> None:
     """``late_lag``: a live segment (its newest row stamped near its write time) shows how late its
-    oldest row landed; the lag is a quarter more than the latest seen, never less than
+    oldest row landed; the lag is a quarter more than the latest seen lately, never less than
     LATE_LAG_NS nor more than MAX_LATE_LAG_NS; an imported segment (rows stamped long before it
     was written) shows nothing."""
     s = 10**9
@@ -162,6 +182,11 @@ def test_the_lag_is_what_live_segments_show(tmp_path: Path) -> None:
     assert incremental.late_lag(Inputs("{}", (seg("ev", now - 2 * s, now - s, now),))) == LATE_LAG_NS
     week = seg("gw", now - 7 * 86400 * s, now - s, now)
     assert incremental.late_lag(Inputs("{}", (week,))) == incremental.MAX_LATE_LAG_NS
+    # a live segment whose rows are all older than LATE_SEEN_NS before the watermark is not seen
+    # any more (here the one 200 s late, 7 hours before a later flush's rows)
+    later = seg("ev", now + 7 * 3600 * s - 2 * s, now + 7 * 3600 * s, now + 7 * 3600 * s + s)
+    assert incremental.late_lag(Inputs("{}", (live, later))) == LATE_LAG_NS
+    assert incremental.late_lag(Inputs("{}", (live, seg("ev", now - s, now + s, now + 2 * s)))) == 250 * s
     # the horizon, and decide's late rule, follow it
     inputs = Inputs("{}", (imported, live))
     assert incremental.horizon(inputs) == now - s - 250 * s
