@@ -119,6 +119,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                                                   metrics_from=metrics_from, known=before.get(scenario))
                 decision = incremental.decide(now, before.get(scenario), full=full, no_state=no_state)
                 log.info("scenario %s: %s (%s)", scenario, decision.mode, decision.reason)
+                edge = incremental.horizon(now, before.get(scenario) if decision.mode != "full" else None)
                 if decision.mode == "carried":
                     if base is not None:
                         incremental.keep_scenario(con, scenario)
@@ -126,7 +127,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                         incremental.carry_scenario(con, scenario)
                 else:
                     appended = decision.mode == "appended"
-                    plan = LedgerPlan(incremental.horizon(now),
+                    plan = LedgerPlan(edge,
                                       incremental.resume_of(con, scenario, worker) if appended else None,
                                       partitions=_shown(partitions, each, scenario),
                                       flows_resume=(incremental.flows_resume_of(con, scenario, worker)
@@ -152,7 +153,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     decision = _ledger_said(scenario, decision, plan)
                     incremental.write_ledger(con, scenario, plan.result.state if plan.result else None,
                                              plan.flows_state, plan.reuse_state, plan.scans_state, worker)
-                incremental.write_state(con, scenario, now, decision)
+                incremental.write_state(con, scenario, now, decision, edge)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
                 modes.append((scenario, decision.mode, decision.reason))

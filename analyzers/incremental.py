@@ -149,11 +149,12 @@ STATE_TABLE = "kvlens_state"
 PREVIOUS = "kvlens_prev"  # the alias the previous analysis DB is attached under
 # analyzers' states, one blob per scenario each
 _SAVED_STATES = (LEDGER_TABLE, FLOWS_TABLE, REUSE_STATE_TABLE, SCANS_TABLE)
-_STATE_COLUMNS = "scenario VARCHAR, config VARCHAR, segments VARCHAR, watermark_ns BIGINT, mode VARCHAR"
+_STATE_COLUMNS = ("scenario VARCHAR, config VARCHAR, segments VARCHAR, watermark_ns BIGINT, mode VARCHAR, "
+                  "horizon_ns BIGINT")
 _LEDGER_COLUMNS = "scenario VARCHAR, checkpoint_ns BIGINT, state BLOB"
 CREATE_STATE_SQL = f"CREATE TABLE IF NOT EXISTS {STATE_TABLE} ({_STATE_COLUMNS})"
-INSERT_STATE_SQL = f"INSERT INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?)"
-PREVIOUS_STATE_SQL = f"SELECT scenario, config, segments, watermark_ns FROM {PREVIOUS}.{STATE_TABLE}"
+INSERT_STATE_SQL = f"INSERT INTO {STATE_TABLE} VALUES (?, ?, ?, ?, ?, ?)"
+PREVIOUS_STATE_SQL = f"SELECT scenario, config, segments, horizon_ns FROM {PREVIOUS}.{STATE_TABLE}"
 PREVIOUS_VERSION_SQL = f"SELECT value FROM {PREVIOUS}.kvlens_meta WHERE key = 'schema_version'"
 _GLOBAL_TABLES = ("probe_runs",)  # read whole by every scenario (analyzers/costs.py)
 # Tables whose time is when a record was made (a probe's run, a simulation), not when the scenario's
@@ -183,6 +184,8 @@ class Inputs:
 
     config: str
     segments: tuple[Segment, ...]
+    # the horizon the analysis of these inputs kept its states at (``horizon``), once analyzed
+    horizon_ns: int | None = None
 
     @property
     def watermark_ns(self) -> int | None:
@@ -296,8 +299,9 @@ def previous_state(con: duckdb.DuckDBPyConnection, db: Path) -> dict[str, Inputs
         said = str(e).splitlines()[0] if isinstance(e, LookupError) else "previous analysis DB has no state"
         return said
     state = {}
-    for scenario, config, segments, _ in rows:
-        state[scenario] = Inputs(config, tuple(Segment(**s) for s in json.loads(segments)))
+    for scenario, config, segments, edge in rows:
+        state[scenario] = Inputs(config, tuple(Segment(**s) for s in json.loads(segments)),
+                                 None if edge is None else int(edge))
     return state
 
 
@@ -322,12 +326,14 @@ def decide(now: Inputs, before: Inputs | None, *, full: bool, no_state: str | No
     new = [s for s in now.segments if s.path not in known]
     if not new:
         return Decision("carried", "no new segments")
-    mark, edge = before.watermark_ns, horizon(before)
+    mark = before.watermark_ns
+    edge = before.horizon_ns if before.horizon_ns is not None else horizon(before)
     late = [s for s in new if edge is not None and s.oldest_ns is not None and s.oldest_ns < edge
             and not s.path.startswith(_RECORD_PREFIXES)]
     if late:
         return Decision("full", f"late segment {late[0].path}: its oldest row ({late[0].oldest_ns} ns) is "
-                                f"older than the watermark {mark} ns less the lag {late_lag(before)} ns")
+                                f"older than the previous analysis' horizon {edge} ns (its watermark "
+                                f"{mark} ns less the lag)")
     lag = late_lag(now)
     longer = (f"; rows up to {lag / 1e9:,.0f} s late accepted from now on (a quarter more than the latest "
               "a live collector's rows landed)" if lag > LATE_LAG_NS else "")
@@ -394,15 +400,22 @@ def late_lag(inputs: Inputs) -> int:
     mark = inputs.watermark_ns
     seen = [s.mtime_ns - s.oldest_ns for s in inputs.segments
             if s.oldest_ns is not None and s.newest_ns is not None and mark is not None
+            and not s.path.startswith(_RECORD_PREFIXES)
             and abs(s.mtime_ns - s.newest_ns) <= LIVE_WINDOW_NS and s.newest_ns >= mark - LATE_SEEN_NS]
     return min(max([LATE_LAG_NS, *(late + late // 4 for late in seen)]), MAX_LATE_LAG_NS)
 
 
-def horizon(inputs: Inputs) -> int | None:
+def horizon(inputs: Inputs, before: Inputs | None = None) -> int | None:
     """The time before which no row of the scenario can still arrive without a full rebuild: the
-    watermark less ``late_lag`` (``decide`` rebuilds on a segment older than that)."""
+    watermark less ``late_lag`` (``decide`` rebuilds on a segment older than that). ``before``: the
+    inputs a continuation starts from; the horizon is never before theirs (a lag that grew, say a
+    long request seen for the first time, would move it back, before the states the previous
+    analysis settled requests at), and is recorded (``write_state``) for the next ``decide``."""
     mark = inputs.watermark_ns
-    return None if mark is None else mark - late_lag(inputs)
+    edge = None if mark is None else mark - late_lag(inputs)
+    if before is not None and before.horizon_ns is not None:
+        edge = before.horizon_ns if edge is None else max(edge, before.horizon_ns)
+    return edge
 
 
 def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> tuple[int | None, bytes] | None:
@@ -543,11 +556,14 @@ def detach_previous(con: duckdb.DuckDBPyConnection) -> None:
     con.execute(f"DETACH {PREVIOUS}")
 
 
-def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, decision: Decision) -> None:
-    """Record what ``scenario`` was analyzed from, in the DB being built (committed with it)."""
+def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, decision: Decision,
+                edge: int | None) -> None:
+    """Record what ``scenario`` was analyzed from, and the horizon ``edge`` its states were kept at,
+    in the DB being built (committed with it)."""
     con.execute(CREATE_STATE_SQL)
     segments = json.dumps([dataclasses.asdict(s) for s in inputs.segments])
-    con.execute(INSERT_STATE_SQL, [scenario, inputs.config, segments, inputs.watermark_ns, decision.mode])
+    con.execute(INSERT_STATE_SQL,
+                [scenario, inputs.config, segments, inputs.watermark_ns, decision.mode, edge])
 
 
 # -- appending to a copy of the previous DB --------------------------------------------------------

@@ -101,13 +101,13 @@ _REQUEST_TABLES = ("requests", "request_blocks")
 _OTHER_TABLES = tuple(t.name for t in LAKE_TABLES if t.name not in _REQUEST_TABLES)
 
 
-def _grow_live(source: Path, lake: Path, flushes: range) -> None:
+def _grow_live(source: Path, lake: Path, flushes: range, held: dict[int, int] | None = None) -> None:
     """Flushes ``flushes`` of a live fleet over ``source``'s rr2: every collector flushes each 10 s
     of the lake's time, and the gateway holds some requests back as long ones: those arriving in
     the 2nd 10 s are written with the 11th flush (100 s late), those of the 5th with the 14th."""
     (lo, _) = time_bounds(source, 1)
     at = [lo + k * 10 * 10**9 for k in range(26)]
-    held = {1: 10, 4: 13}  # slice -> the flush that writes its requests
+    held = {1: 10, 4: 13} if held is None else held  # slice -> the flush that writes its requests
     for k in flushes:
         written = at[k + 1] + 10**9
         bounds = [(None if j == 0 else at[j], at[j + 1] if j < 24 else 2**62) for j in range(25)]
@@ -142,6 +142,26 @@ def test_a_live_gateways_long_requests_are_appended_not_rebuilt(source: Path, tm
             assert mode == "appended" and " s late accepted from now on" in why, why
         else:
             assert mode == "full" and why.startswith("late segment ") and "/gw4-" in why, why
+
+
+def test_a_lag_that_grows_never_moves_the_horizon_back(source: Path, tmp_path: Path) -> None:
+    """The requests of the 8th 10 s are written with the last flush, 180 s late, after a first
+    analysis that saw nothing later than 11 s: not late for it (they follow its horizon), but the
+    lag they teach would put the new horizon before the states that analysis kept. The horizon
+    stays at the previous one; the continuation equals a full analysis."""
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    _grow_live(source, lake, range(12), held={7: 24})
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "full"}
+    with duckdb.connect(str(db), read_only=True) as con:
+        ((first,),) = con.execute(f"SELECT horizon_ns FROM {STATE_TABLE}").fetchall()
+    _grow_live(source, lake, range(12, 25), held={7: 24})
+    ((_, mode, why),) = analyze_lake(lake, db).modes
+    assert mode == "appended" and " s late accepted from now on" in why, why
+    with duckdb.connect(str(db), read_only=True) as con:
+        ((second, mark),) = con.execute(f"SELECT horizon_ns, watermark_ns FROM {STATE_TABLE}").fetchall()
+    assert second == first > mark - 180 * 10**9  # the lag learned would have moved it back
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
 
 
 def test_a_record_made_today_moves_no_watermark(source: Path, tmp_path: Path) -> None:
@@ -190,6 +210,9 @@ def test_the_lag_is_what_live_segments_show(tmp_path: Path) -> None:
     # the horizon, and decide's late rule, follow it
     inputs = Inputs("{}", (imported, live))
     assert incremental.horizon(inputs) == now - s - 250 * s
+    # a continuation's horizon is never before the one it starts from
+    assert incremental.horizon(inputs, Inputs("{}", (), now)) == now
+    assert incremental.horizon(inputs, Inputs("{}", (), now - 10**6 * s)) == now - s - 250 * s
     new = seg("new", now - s - 240 * s, now + s, now + 2 * s)
     said = incremental.decide(Inputs("{}", (imported, live, new)), inputs, full=False, no_state=None)
     # (the new segment's oldest row landed 243 s late: a quarter more is the lag from now on, said)
