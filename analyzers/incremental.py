@@ -393,10 +393,9 @@ def late_lag(inputs: Inputs) -> int:
     """How much older than the watermark a new segment's rows may be: ``LATE_LAG_NS``, or a
     quarter more than the latest any live collector's segment among ``inputs`` landed (its write
     time less its oldest row: a request as long as it ran, the scrape's flush interval) of those
-    whose newest row is within ``LATE_SEEN_NS`` of the watermark, up to ``MAX_LATE_LAG_NS``. From
-    the segments alone, so the next analysis computes the same lag from the recorded ones
-    (``decide``: a segment older than the horizon is late; the lag may shrink or grow between two
-    analyses, each continuation starts where the previous one's states are)."""
+    whose newest row is within ``LATE_SEEN_NS`` of the watermark, up to ``MAX_LATE_LAG_NS``. The
+    lag may shrink or grow between two analyses: ``horizon`` keeps a continuation's horizon from
+    moving back, and records it for ``decide``'s late rule."""
     mark = inputs.watermark_ns
     seen = [s.mtime_ns - s.oldest_ns for s in inputs.segments
             if s.oldest_ns is not None and s.newest_ns is not None and mark is not None
