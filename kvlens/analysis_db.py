@@ -9,9 +9,11 @@ name behind, and the next build removes it (the name carries the builder's proce
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -145,6 +147,21 @@ def _connect(path: Path) -> duckdb.DuckDBPyConnection:
     return con
 
 
+def _sync_meanwhile(path: Path) -> threading.Thread:
+    """A thread that syncs ``path`` (a copy of the previous DB, just written) while the analysis
+    runs: the final sync then writes only the pages the analysis changed. The copy's pages are
+    most of the file, and the file grows with the lake's age: on the 6th of 6 increments of the
+    whole sample trace (30 MB) the final sync took 44 ms, against 13 ms for the 1st (a new file).
+    A failure here is not reported: the final sync, which must succeed, meets it again."""
+    def sync() -> None:
+        with contextlib.suppress(OSError):
+            fsync_path(path)
+
+    thread = threading.Thread(target=sync, name=f"sync {path.name}", daemon=True)
+    thread.start()
+    return thread
+
+
 def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute, *,
                       base: str | os.PathLike[str] | None = None,
                       accept: Callable[[duckdb.DuckDBPyConnection], bool] | None = None) -> Path:
@@ -160,9 +177,11 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
     final = _target(db)
     remove_dead_leftovers(final)
     tmp = final.with_name(tmp_name(final.name))
+    early: threading.Thread | None = None
     try:
         if base is not None:
             shutil.copyfile(base, tmp)
+            early = _sync_meanwhile(tmp)
         con = _connect(tmp)
         if base is not None and accept is not None and not accept(con):
             con.close()
@@ -187,10 +206,14 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
             con.close()
         # Write, sync, rename, sync the directory: a reader of ``final`` sees the old file or the
         # whole new one, also after a crash of the machine (DuckDB did not sync, see _connect).
+        if early is not None:
+            early.join()
         fsync_path(tmp)
         os.replace(tmp, final)
         fsync_path(final.parent)
     finally:
+        if early is not None:
+            early.join()  # (its descriptor closed before the file goes)
         for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
             leftover.unlink(missing_ok=True)
         shutil.rmtree(tmp.with_name(tmp.name + ".tmp"), ignore_errors=True)  # DuckDB's spill directory
