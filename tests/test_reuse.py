@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from pathlib import Path
+from typing import Any
 
 import duckdb
 import numpy as np
@@ -82,6 +83,26 @@ def test_matches_oracle_across_many_compactions() -> None:
     sizes = rng.integers(1, 50, 3000).tolist()
     d = reuse_distances(np.array(keys, dtype=np.uint64), np.array(sizes))
     assert (d.blocks.tolist(), d.bytes.tolist()) == oracle(keys, sizes)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 80), st.lists(st.tuples(st.integers(0, 120), st.integers(1, 9)), max_size=300),
+       st.booleans(), st.randoms(use_true_random=False))
+def test_a_distinct_head_gives_the_distances_of_the_whole_stream(
+        head: int, after: list[tuple[int, int]], uniform: bool, rnd: Any) -> None:
+    # A replayed stack (distinct keys) before later accesses, as _resumed builds them: some of its
+    # keys named again later, some not, the later accesses also naming keys it lacks.
+    stack = rnd.sample(range(121), head)
+    keys = stack + [k for k, _ in after]
+    sizes = [rnd.randint(1, 9) for _ in stack] + [s for _, s in after]
+    if uniform:
+        sizes = [4] * len(keys)
+    whole = reuse_distances(np.array(keys, dtype=np.uint64), np.array(sizes, dtype=np.int64))
+    headed = reuse_distances(np.array(keys, dtype=np.uint64), np.array(sizes, dtype=np.int64),
+                             distinct_head=head)
+    assert headed.blocks.tolist() == whole.blocks.tolist()
+    assert headed.bytes.tolist() == whole.bytes.tolist()
+    assert headed.prev.tolist() == whole.prev.tolist()
 
 
 def _relations(con: duckdb.DuckDBPyConnection) -> tuple[duckdb.DuckDBPyRelation, ...]:
