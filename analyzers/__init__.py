@@ -24,7 +24,7 @@ from kvlens.analyzers.isolation import isolation_findings
 from kvlens.analyzers.join import join_sources
 from kvlens.analyzers.ledger import miss_ledger
 from kvlens.analyzers.mrc import mrc
-from kvlens.analyzers.outcomes import Ledger, Resume, block_outcomes, ledger_outcomes
+from kvlens.analyzers.outcomes import Ledger, Resume, block_outcomes, ledger_outcomes, rows_of
 from kvlens.analyzers.partitions import Partitions
 from kvlens.analyzers.provenance import scenario_provenance
 from kvlens.analyzers.ranking import prefix_ranking
@@ -122,7 +122,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     if result.appended is not None and result.replaced is not None and plan.resume is not None \
             and plan.resume.requests is not None:
         # the requests the continued ledger did not replay keep their previous sums
-        settled = plan.resume.requests.pl().filter(~pl.col("request_id").is_in(result.replaced.implode()))
+        settled = rows_of(plan.resume.requests).filter(~pl.col("request_id").is_in(result.replaced.implode()))
         summed = result.appended
     per_request = mark_incomplete(request_ledger(block_outcomes=summed, requests=requests, settled=settled),
                                   gaps, clears)

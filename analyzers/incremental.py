@@ -112,7 +112,7 @@ import pyarrow.parquet as pq
 from kvlens.analysis_db import attach_analysis_db, check_duckdb_file
 from kvlens.analyzers.flows import FLOWS_TABLE, FlowsState
 from kvlens.analyzers.ledger_state import LEDGER_TABLE, LedgerState
-from kvlens.analyzers.outcomes import Resume
+from kvlens.analyzers.outcomes import Prefetch, Resume
 from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
 from kvlens.analyzers.scans import SCANS_TABLE, ScanState
 from kvlens.analyzers.state_blob import Pending
@@ -464,9 +464,10 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
         return None
     saved_at, blob = saved
     state = _read(blob, LedgerState.from_bytes, scenario, "ledger", "replaying its ledger in full", worker)
-    mine = duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)
-    return Resume(state, con.table(f"{PREVIOUS}.block_outcomes").filter(mine),
-                  con.table(f"{PREVIOUS}.request_ledger").filter(mine),
+    # The previous rows grow with the lake's age and are needed only after the replay: they are
+    # read while it runs (outcomes.Prefetch).
+    return Resume(state, Prefetch(con, f"{PREVIOUS}.block_outcomes", scenario),
+                  Prefetch(con, f"{PREVIOUS}.request_ledger", scenario),
                   saved_at=int(saved_at) if saved_at is not None else None)
 
 

@@ -375,7 +375,7 @@ def _cache(max_rows, n_words):
             np.full(max_rows, -1, np.int64), np.full(max_rows, -1, np.int64))
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # (a continuation reads the previous rows meanwhile: outcomes.Prefetch)
 def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_ns, ev_left,
                   req_t, req_loc, req_tail, req_bs, req_off,
                   blk_h, blk_c, blk_ns, blk_xfer, n_locs, pool_loc, loc_window, loc_grp, state, snap):
