@@ -67,8 +67,12 @@ def _prewarm(outcomes: pl.DataFrame, top_k: int) -> tuple[pl.DataFrame, int]:
     """The hot set (block_hash, bytes) and its number of chains."""
     counts = (outcomes.group_by("block_hash")
               .agg(needs=pl.len(), position=pl.col("position").min(), bytes=pl.col("bytes").max())
-              .filter(pl.col("needs") >= 2)
-              .sort(["needs", "position", "block_hash"], descending=[True, False, False]).head(top_k))
+              .filter(pl.col("needs") >= 2))
+    # The k largest, then sorted (not every block sorted for them: the blocks needed twice grow with
+    # the lake's age, 44k on the whole sample trace; 7.6 ms against 1.8 for the default 64)
+    if top_k < counts.height:
+        counts = counts.top_k(top_k, by=["needs", "position", "block_hash"], reverse=[False, True, True])
+    counts = counts.sort(["needs", "position", "block_hash"], descending=[True, False, False])
     # A chosen block's parent is the block one position before it in a request that needs it; only
     # the rows of chosen blocks can be either side of a chosen pair (no sort of every row).
     rows = (outcomes.filter(pl.col("block_hash").is_in(counts["block_hash"].implode()))

@@ -7,9 +7,11 @@ from pathlib import Path
 import duckdb
 import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvlens.analyzers.request_ledger import request_ledger
-from kvlens.analyzers.warmup import warmup
+from kvlens.analyzers.warmup import _prewarm, warmup
 
 HOT0, HOT1, COLD = 100, 101, 200
 BLOCK = 2  # tokens per block; every prompt is two full blocks
@@ -116,3 +118,22 @@ def test_demo_replicas_warm_up(demo_workdir: Path) -> None:
         assert steady is not None and steady > 0
         assert lost >= 0 and prewarm > 0
     assert sum(row[3] > 0 for row in rows) > len(rows) // 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 4), st.integers(1, 3)),
+                min_size=20, max_size=160),
+       st.integers(0, 8))
+def test_the_hot_set_is_the_top_k_of_every_block_in_rank_order(
+        rows: list[tuple[int, int, int]], top_k: int) -> None:
+    # Many ties in needs and position: the k chosen (and their order) are those of a sort of all.
+    outcomes = pl.DataFrame({"request_id": [f"q{i % 7}" for i in range(len(rows))],
+                             "block_hash": pl.Series([h for h, _, _ in rows], dtype=pl.UInt64),
+                             "position": [p for _, p, _ in rows], "bytes": [b for _, _, b in rows]},
+                            schema_overrides={"position": pl.Int32, "bytes": pl.Int64})
+    expected = (outcomes.group_by("block_hash")
+                .agg(needs=pl.len(), position=pl.col("position").min(), bytes=pl.col("bytes").max())
+                .filter(pl.col("needs") >= 2)
+                .sort(["needs", "position", "block_hash"], descending=[True, False, False]).head(top_k))
+    hot, _ = _prewarm(outcomes, top_k)
+    assert hot.to_dicts() == expected.select("block_hash", "bytes").to_dicts()
