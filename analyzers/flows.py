@@ -411,8 +411,10 @@ def _touched(carried: pl.DataFrame, ev: pl.DataFrame,
     them: a block evicted unread is seldom needed again), and is carried into the next state without
     being matched, sorted or summed."""
     named = pl.concat([ev["block_hash"], reads["block_hash"]]).drop_nulls().unique()
-    idle = pl.col("ended").is_not_null() & ~pl.col("block_hash").is_in(named.implode())
-    return carried.filter(~idle), carried.filter(idle)
+    # (the mask once, not once per side: the kept stores grow with the lake's age)
+    idle = carried.select(pl.col("ended").is_not_null() & ~pl.col("block_hash").is_in(named.implode()))
+    mask = idle.to_series()
+    return carried.filter(~mask), carried.filter(mask)
 
 
 def _agrees(st: FlowsState, kv_events: duckdb.DuckDBPyRelation, window_ns: int, bytes_per_token: int,
