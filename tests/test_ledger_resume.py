@@ -29,7 +29,7 @@ from test_ledger import BLOCK, _blocks, _ev, _request, _write, at
 
 from kvlens.analyzers import admission
 from kvlens.analyzers.ledger_state import LedgerState
-from kvlens.analyzers.outcomes import Ledger, Resume, _with, in_order, ledger_outcomes
+from kvlens.analyzers.outcomes import Ledger, Prefetch, Resume, _with, in_order, ledger_outcomes, rows_of
 from kvlens.cli import cli
 from kvlens.lake import open_lake
 from kvlens.schema import TABLES
@@ -251,3 +251,22 @@ def test_events_in_stream_order_are_told_apart(rows: list[tuple[int, int]], pres
     ts = np.array([r[0] for r in rows], np.int64)
     seq = np.array([r[1] for r in rows], np.uint64)
     assert in_order(ts, seq) == bool((np.lexsort((seq, ts)) == np.arange(len(rows))).all())
+
+
+def test_a_prefetch_reads_its_scenarios_rows_in_order_and_raises_on_the_callers_thread(
+        tmp_path: Path) -> None:
+    # A continuation reads the previous rows on a thread of its own (outcomes.Prefetch): the rows
+    # of its scenario in the order they were written, and an error there is the caller's.
+    con = duckdb.connect(str(tmp_path / "prev.duckdb"))
+    con.execute("CREATE TABLE t AS SELECT CASE WHEN i % 3 = 0 THEN 'other' ELSE 's' END AS scenario, "
+                "(1000 - i) AS v FROM range(3000) r(i)")
+    started = Prefetch(con, "t", "s")
+    started.start()
+    unstarted = Prefetch(con, "t", "s")
+    want = [v for (v,) in con.execute("SELECT v FROM t WHERE scenario = 's'").fetchall()]  # scan order
+    assert rows_of(started)["v"].to_list() == want == rows_of(unstarted)["v"].to_list()
+    missing = Prefetch(con, "no_such_table", "s")
+    missing.start()
+    with pytest.raises(duckdb.CatalogException, match="no_such_table"):
+        rows_of(missing)
+    con.close()
