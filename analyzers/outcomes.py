@@ -431,7 +431,8 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     new = _frame(scenario, full, outputs, group_idx, bytes_per_token, group_bytes_per_token, locs, spaces)
     replaced = req["request_id"]
     # A scan returns a table's rows in the order they were written (DuckDB's default
-    # preserve_insertion_order, which build_analysis_db's connection keeps): no sort by rowid.
+    # preserve_insertion_order, a setting of the database, so the prefetch's cursor keeps it too, as
+    # build_analysis_db does): no sort by rowid.
     kept = rows_of(resume.previous).select(new.columns).filter(
         ~pl.col("request_id").is_in(replaced.implode()))
     # One chunk: every analysis after the ledger reads these rows (the read back comes in DuckDB's
