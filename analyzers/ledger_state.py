@@ -35,21 +35,20 @@ settled requests claimed (``claimed``), and the requests after the checkpoint ar
 whole event stream with those runs taken (outcomes.py ``_admitted_after``): in look-up order the
 settled requests come first, so these are the claims a full admission holds when it reaches them.
 
-The state is stored as one ``.npz`` file (deflated, no pickles) in the analysis DB's
-``kvlens_ledger`` table, written in the same file as the results.
+The state is stored as one ``state_blob.pack_arrays`` blob (zstd-compressed arrays, no pickles) in
+the analysis DB's ``kvlens_ledger`` table, written in the same file as the results. (A state is
+only read by the code that wrote it: ``incremental.code_digest`` is part of its configuration.)
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import json
-import zipfile
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvlens.analyzers import admission
+from kvlens.analyzers.state_blob import pack_arrays, unpack_arrays
 
 __all__ = ["LEDGER_TABLE", "LedgerState", "checkpoint"]
 
@@ -84,31 +83,21 @@ class LedgerState:
                 "event_locations": self.event_locations, "prefix_locations": self.prefix_locations,
                 "namespaces": list(self.namespaces), "group_idx": list(self.group_idx),
                 "prefix_specs": self.prefix_specs, "settled_transfers": self.settled_transfers}
-        arrays: dict[str, np.ndarray] = {
-            "meta": np.frombuffer(json.dumps(meta).encode(), np.uint8), "loc_grp": self.loc_grp,
-            "windows": self.windows, "needed": self.needed, "claimed": self.claimed,
-            **dict(zip(_ARRAYS, self.arrays, strict=True))}
-        # An .npz (a zip of .npy files, what np.load reads), deflated at level 1: a fleet's state
-        # shrinks 5 to 10 times (the demo's rr8: 11.3 MB to 1.2 MB) for about 0.04 s.
-        buf = io.BytesIO()
-        with zipfile.ZipFile(buf, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=1) as z:
-            for name, array in arrays.items():
-                with z.open(f"{name}.npy", "w", force_zip64=True) as out:
-                    np.lib.format.write_array(out, np.ascontiguousarray(array), allow_pickle=False)
-        return buf.getvalue()
+        arrays = {"loc_grp": self.loc_grp, "windows": self.windows, "needed": self.needed,
+                  "claimed": self.claimed, **dict(zip(_ARRAYS, self.arrays, strict=True))}
+        return pack_arrays(meta, arrays)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> LedgerState:
-        with np.load(io.BytesIO(data), allow_pickle=False) as f:
-            meta = json.loads(f["meta"].tobytes().decode())
-            return cls(checkpoint_ns=int(meta["checkpoint_ns"]), events=int(meta["events"]),
-                       locations=tuple(meta["locations"]), event_locations=int(meta["event_locations"]),
-                       prefix_locations=int(meta["prefix_locations"]), namespaces=tuple(meta["namespaces"]),
-                       group_idx=tuple(int(g) for g in meta["group_idx"]), loc_grp=f["loc_grp"],
-                       windows=f["windows"], prefix_specs=meta["prefix_specs"],
-                       arrays=tuple(f[name] for name in _ARRAYS), needed=f["needed"],
-                       settled_transfers=int(meta["settled_transfers"]),
-                       claimed=f["claimed"] if "claimed" in f.files else np.zeros(0, np.int64))
+        meta, f = unpack_arrays(data)
+        return cls(checkpoint_ns=int(meta["checkpoint_ns"]), events=int(meta["events"]),
+                   locations=tuple(meta["locations"]), event_locations=int(meta["event_locations"]),
+                   prefix_locations=int(meta["prefix_locations"]), namespaces=tuple(meta["namespaces"]),
+                   group_idx=tuple(int(g) for g in meta["group_idx"]), loc_grp=f["loc_grp"],
+                   windows=f["windows"], prefix_specs=meta["prefix_specs"],
+                   arrays=tuple(f[name] for name in _ARRAYS), needed=f["needed"],
+                   settled_transfers=int(meta["settled_transfers"]),
+                   claimed=f["claimed"] if "claimed" in f else np.zeros(0, np.int64))
 
 
 def checkpoint(ev_ts: np.ndarray, offset: int, start_ns: int | None, horizon_ns: int, lookup: np.ndarray,

@@ -30,6 +30,7 @@ from test_ledger import BLOCK, _blocks, _ev, _request, _write, at
 from kvlens.analyzers import admission
 from kvlens.analyzers.ledger_state import LedgerState
 from kvlens.analyzers.outcomes import Ledger, Prefetch, Resume, _with, in_order, ledger_outcomes, rows_of
+from kvlens.analyzers.state_blob import pack_arrays, unpack_arrays
 from kvlens.cli import cli
 from kvlens.lake import open_lake
 from kvlens.schema import TABLES
@@ -270,3 +271,28 @@ def test_a_prefetch_reads_its_scenarios_rows_in_order_and_raises_on_the_callers_
     with pytest.raises(duckdb.CatalogException, match="no_such_table"):
         rows_of(missing)
     con.close()
+
+
+def test_a_state_blob_keeps_every_array_exactly_and_refuses_a_damaged_one() -> None:
+    """The ledger state's arrays (state_blob.pack_arrays) come back with their values, dtypes and
+    shapes, writable (the replay writes into a restored state's copies), empty and 2-D ones too; a
+    blob cut short or with a damaged payload is refused with a ValueError (incremental reads that
+    as an unreadable state and replays in full), not read as other numbers."""
+    rng = np.random.default_rng(7)
+    arrays = {"hashes": rng.integers(-2**63, 2**63 - 1, 5_000, dtype=np.int64),
+              "words": rng.integers(0, 8, (300, 3), dtype=np.int64),
+              "loc_grp": rng.random((4, 2)) < 0.5, "codes": np.arange(-5, 5, dtype=np.int8),
+              "empty": np.zeros(0, np.int64), "empty_rows": np.zeros((0, 2), np.int64)}
+    blob = pack_arrays({"checkpoint_ns": 12, "specs": "[[0, 1]]"}, arrays)
+    head, back = unpack_arrays(blob)
+    assert head == {"checkpoint_ns": 12, "specs": "[[0, 1]]"} and back.keys() == arrays.keys()
+    for name, a in arrays.items():
+        b = back[name]
+        assert b.dtype == a.dtype and b.shape == a.shape and np.array_equal(a, b), name
+        assert b.flags.writeable, name
+    with pytest.raises(ValueError, match="cut short"):
+        unpack_arrays(blob[:-10])
+    hurt = bytearray(blob)
+    hurt[len(blob) // 2:len(blob) // 2 + 64] = bytes(64)  # inside the hashes' compressed bytes
+    with pytest.raises(ValueError):
+        unpack_arrays(bytes(hurt))
