@@ -388,3 +388,36 @@ def test_a_partitioned_analysis_saves_the_state_the_next_one_continues(tmp_path:
     analyze_lake(lake, tmp_path / "full.duckdb", full=True)
     _take_partitioned_curves(db)
     assert assert_same_db(db, tmp_path / "full.duckdb")["block_outcomes"] > 0
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(replay_inputs(), st.integers(0, 45), st.integers(0, 55))
+def test_a_replay_continued_from_its_state_equals_the_whole_replay(args: tuple[Any, ...], cut: int,
+                                                                   later: int) -> None:
+    # A replay continued from the state saved at a cut (what an incremental analysis does): the
+    # outcomes of the requests after the cut, and the state at a later place, array for array (row
+    # numbers, the content map's order), are those of one replay of everything.
+    from kvlens.analyzers.replay import TIERS, replay_resume
+
+    ev, req, blk = args[:9], args[9:14], args[14:18]
+    n_locs, pool_loc, windows = args[18:]
+    ev_ts, n_groups = ev[0], windows.shape[1]
+    loc_grp = loc_groups(ev[1], ev[2], ev[4], n_locs, n_groups)
+    no = np.zeros(0, np.int64)
+    words = np.zeros((0, (TIERS * n_locs * n_groups + 62) // 63), np.int64)
+    empty = (no, words, words.copy(), no, no, no, no, no, no, no, no)
+    later = max(later, cut)
+    whole, at_cut = replay_resume(ev_ts, *args, loc_grp, empty, cut)
+    _, want = replay_resume(ev_ts, *args, loc_grp, empty, later)
+    k = int(np.searchsorted(ev_ts, cut))  # the events in the state
+    # the look-ups after the snapshot: those ordered after every event in the state
+    i = int(np.searchsorted(req[0], ev_ts[k - 1], side="right")) if k else 0
+    off = req[4]
+    b = int(off[i])
+    got, state = replay_resume(ev_ts[k:], ev_ts[k:], *(a[k:] for a in ev[1:]), *(a[i:] for a in req[:4]),
+                               off[i:] - b, *(a[b:] for a in blk), n_locs, pool_loc, windows, loc_grp, at_cut,
+                               later)
+    for name, g, w in zip(_NAMES, got, whole, strict=True):
+        assert np.asarray(g).tolist() == np.asarray(w)[b:].tolist(), name
+    for g, w in zip(state, want, strict=True):
+        assert g.dtype == w.dtype and np.asarray(g).tolist() == np.asarray(w).tolist()
