@@ -194,9 +194,7 @@ def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: in
     interval = ts[re] - ts[d.prev[re]]
     nxt = np.full(len(ts), -1, np.int64)
     nxt[d.prev[re]] = np.flatnonzero(re)
-    lru_d = np.sort(d.bytes[re])
-    re_sizes = sizes[re]
-    lru_w = np.concatenate([[0], np.cumsum(re_sizes[np.argsort(d.bytes[re], kind="stable")])])
+    re_bytes, re_sizes = d.bytes[re], sizes[re]
     total, re_total, reaccesses = sizes.sum(), re_sizes.sum(), int(re.sum())
     ttls = sorted(ttls_s)
     ttls_ns = [int(ttl * _NS_PER_S) for ttl in ttls]
@@ -205,7 +203,10 @@ def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: in
                                          strict=True):
         cov = interval <= ttl_ns
         covered = re_sizes[cov].sum()
-        lru_hit = lru_w[np.searchsorted(lru_d, peak, side="right")] / total
+        # An LRU of ``peak`` bytes hits each re-access whose distance is at most that: a masked sum
+        # per TTL rather than a sort and a stable argsort of every re-access (the stream is the
+        # whole scenario's; on the whole sample trace's 6th increment 3 ms against 5.5 ms).
+        lru_hit = re_sizes[re_bytes <= peak].sum() / total
         rows.append({
             "scenario": scenario, "ttl_s": float(ttl), "reaccesses": reaccesses,
             "covered_reaccesses": int(cov.sum()), "covered_ratio": float(cov.mean()) if cov.size else 0.0,

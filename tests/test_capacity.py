@@ -163,3 +163,33 @@ def test_pinned_peak_is_the_most_held_at_once(seed: int) -> None:
         ttls = [int(t) for t in rng.integers(0, 12, 3)]
         one_each = [_residences(ts, nxt, sizes, [t], end)[0] for t in ttls]
         assert _residences(ts, nxt, sizes, ttls, end) == one_each
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_lru_hit_ratio_at_the_peak_is_the_exact_curves(seed: int) -> None:
+    """lru_hit_ratio_bytes_at_peak is the byte hit ratio of the exact miss-ratio curve (mrc.py's
+    ``curve``, another computation over the same distances) at a capacity of pinned_peak_bytes, on
+    random streams of blocks of several sizes, with ties of distance and capacity."""
+    import numpy as np
+
+    from kvlens.analyzers.mrc import curve, exact_histogram
+    from kvlens.analyzers.reuse import access_stream
+
+    rng = np.random.default_rng(seed)
+    con = duckdb.connect()
+    for _ in range(40):
+        n = int(rng.integers(1, 60))
+        keys = rng.integers(1, 8, n)
+        rb = con.from_arrow(pl.DataFrame({
+            "request_id": [f"r{i}" for i in range(n)], "scenario": "s",
+            "arrival_ns": rng.integers(0, 40, n) * S, "position": 0,
+            "block_hash": pl.Series(keys, dtype=pl.UInt64),
+            "block_tokens": pl.Series((keys % 3) + 1, dtype=pl.Int32),  # a size per block
+            "block_size_tokens": pl.Series([None] * n, dtype=pl.Int32),
+        }).to_arrow())
+        out = ttl_coverage(request_blocks=rb, bytes_per_token=3, scenario="s", ttls_s=[0, 1, 5, 30])
+        acc = access_stream(rb, "s", 3)
+        hist = exact_histogram(acc.frame["block_hash"].to_numpy(), acc.sizes)
+        for row in out.iter_rows(named=True):
+            _, want = curve(hist, [row["pinned_peak_bytes"]], by="bytes")
+            assert row["lru_hit_ratio_bytes_at_peak"] == pytest.approx(float(want[0]), abs=1e-12)
