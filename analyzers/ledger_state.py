@@ -97,7 +97,7 @@ class LedgerState:
                    windows=f["windows"], prefix_specs=meta["prefix_specs"],
                    arrays=tuple(f[name] for name in _ARRAYS), needed=f["needed"],
                    settled_transfers=int(meta["settled_transfers"]),
-                   claimed=f["claimed"] if "claimed" in f else np.zeros(0, np.int64))
+                   claimed=f["claimed"])
 
 
 def checkpoint(ev_ts: np.ndarray, offset: int, start_ns: int | None, horizon_ns: int, lookup: np.ndarray,
