@@ -51,8 +51,8 @@ transport), which decodes what it takes, and commits the rows with their checkpo
 
 from __future__ import annotations
 
+import collections
 import logging
-import queue
 import re
 import threading
 import time
@@ -130,11 +130,18 @@ _READER_JOIN_S = 10.0  # the reader polls in 100 ms steps: it ends within one af
 
 
 class _ByteQueue:
-    """A FIFO bounded in items and bytes; ``put`` blocks (back-pressure) until there is room."""
+    """A FIFO bounded in items and bytes; ``put`` blocks (back-pressure) until there is room.
+
+    One deque under one Condition, not ``queue.SimpleQueue``: the collector's main thread, which runs
+    the signal handlers, waits in ``get``, and CPython's ``SimpleQueue.get(timeout=...)`` blocks for
+    ever when a handler runs past the timeout (Modules/_queuemodule.c: after an interrupted wait the
+    remaining timeout goes negative, and a negative timeout means no timeout); a SIGTERM then hung
+    the stop until the watchdog ended the process. ``Condition.wait`` recomputes its timeout after
+    a handler and gives up at the deadline (Modules/_threadmodule.c, acquire_timed)."""
 
     def __init__(self, max_items: int, max_bytes: int) -> None:
         self.max_items, self.max_bytes = max_items, max_bytes
-        self._q: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._q: collections.deque[tuple[Any, int]] = collections.deque()
         self._cond = threading.Condition()
         self.items = self.bytes = self.peak_bytes = self.peak_items = 0
 
@@ -144,22 +151,25 @@ class _ByteQueue:
                 if stop.is_set():
                     return False
                 self._cond.wait(0.1)
+            self._q.append((item, nbytes))
             self.items += 1
             self.bytes += nbytes
             self.peak_items = max(self.peak_items, self.items)
             self.peak_bytes = max(self.peak_bytes, self.bytes)
-        self._q.put((item, nbytes))
+            self._cond.notify_all()
         return True
 
     def get(self, timeout: float) -> Any:
-        try:
-            item, nbytes = self._q.get(timeout=timeout)
-        except queue.Empty:
-            return None
+        """The oldest item, waiting up to ``timeout`` seconds for one; None if there is none."""
         with self._cond:
+            if not self._q and timeout > 0:
+                self._cond.wait(timeout)
+            if not self._q:
+                return None
+            item, nbytes = self._q.popleft()
             self.items -= 1
             self.bytes -= nbytes
-            self._cond.notify()
+            self._cond.notify_all()
         return item
 
 

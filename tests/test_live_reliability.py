@@ -298,3 +298,30 @@ def test_a_library_callers_process_is_never_ended_by_a_stop() -> None:
     calls ``stop``: a slow stop there is the caller's, and no watchdog ends the caller's process."""
     status, out, err = _stopped(_stops_then_sleeps(2.5, owned=False), 1)  # sleeps past the grace
     assert (status, out) == (0, "stopped\n"), err
+
+
+def test_a_signal_handler_that_outlasts_the_wait_does_not_hang_the_queue() -> None:
+    """The collector's main thread waits in ``_ByteQueue.get(timeout=0.05)`` and also runs the signal
+    handlers. A SIGTERM whose handler returned after that deadline (a busy CI machine) once left the
+    wait blocked for ever (CPython's SimpleQueue.get, Modules/_queuemodule.c) and the stop watchdog
+    ended the collector with status 1. Here a handler sleeps past the timeout: get returns None,
+    and an item put while a later handler runs is still delivered. In a child process, so a hang
+    fails this test instead of the whole run."""
+    code = ("import signal, threading, time\n"
+            "from kvlens.collector.live import _ByteQueue\n"
+            "q = _ByteQueue(4, 1000)\n"
+            "signal.signal(signal.SIGALRM, lambda *_: time.sleep(0.1))\n"
+            "signal.setitimer(signal.ITIMER_REAL, 0.01)\n"
+            "print(q.get(timeout=0.05), flush=True)\n"
+            "stop = threading.Event()\n"
+            "threading.Timer(0.05, q.put, ('batch', 10, stop)).start()\n"
+            "signal.setitimer(signal.ITIMER_REAL, 0.01)\n"
+            "print(q.get(timeout=5), q.items, q.bytes, flush=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO,
+                             timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("_ByteQueue.get did not return within 60 s of a signal handler outlasting its wait")
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.splitlines() == ["None", "batch 0 0"]
