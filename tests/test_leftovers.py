@@ -8,8 +8,11 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import duckdb
+import polars as pl
 import pytest
 from click.testing import CliRunner
 
@@ -185,3 +188,31 @@ def test_the_analysis_db_is_synced_before_it_is_renamed_into_place(tmp_path: Pat
     assert synced[0] == "sync" and renamed == ("replace", synced[1]) and synced[1] != db
     assert dir_synced == ("sync", db.parent)
     assert analysis_db.check_duckdb_file(db) == db  # the renamed file is a whole DuckDB file
+
+
+def test_a_builds_commits_write_their_rows_once_not_to_a_wal(tmp_path: Path, mooncake3: Path) -> None:
+    """The DB being built is a temporary file: its commits need no write-ahead log, so each
+    checkpoints at once (``CHECKPOINT_THRESHOLD``) and the rows are written to the file once, not
+    to the WAL and again at the final CHECKPOINT. After a committed transaction of 50,000 rows no
+    WAL lies beside the file, and the finished DB holds them."""
+    from kvlens import analysis_db
+
+    lake, db = tmp_path / "lake", tmp_path / "kvlens.duckdb"
+    assert CliRunner().invoke(cli, ["import", "mooncake", str(mooncake3), "--lake", str(lake),
+                                    "--scenario", "s"]).exit_code == 0
+    wal_bytes: list[int] = []
+    n = 50_000
+    rows = pl.DataFrame({"scenario": ["s"] * n, "replica": [f"r{i % 7}" for i in range(n)],
+                         "outcome": ["hit_local"] * n, "blocks": list(range(n)), "tokens": [16] * n,
+                         "bytes": [4096] * n, "events_incomplete": [False] * n})
+
+    def compute(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
+        con.execute("BEGIN TRANSACTION")
+        yield "miss_ledger", rows
+        con.execute("COMMIT")
+        wal_bytes.extend(p.stat().st_size for p in tmp_path.glob(".*.wal"))
+        wal_bytes.append(0)
+
+    analysis_db.build_analysis_db(db, lake, compute)
+    assert wal_bytes and max(wal_bytes) < 4096, wal_bytes
+    assert query("SELECT count(*), sum(blocks) FROM miss_ledger", db=db)[1][0] == (50_000, sum(range(50_000)))
