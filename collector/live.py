@@ -143,7 +143,11 @@ class _ByteQueue:
         self.max_items, self.max_bytes = max_items, max_bytes
         self._q: collections.deque[tuple[Any, int]] = collections.deque()
         self._cond = threading.Condition()
-        self.items = self.bytes = self.peak_bytes = self.peak_items = 0
+        self.bytes = self.peak_bytes = self.peak_items = 0
+
+    @property
+    def items(self) -> int:
+        return len(self._q)
 
     def put(self, item: Any, nbytes: int, stop: threading.Event) -> bool:
         with self._cond:
@@ -152,7 +156,6 @@ class _ByteQueue:
                     return False
                 self._cond.wait(0.1)
             self._q.append((item, nbytes))
-            self.items += 1
             self.bytes += nbytes
             self.peak_items = max(self.peak_items, self.items)
             self.peak_bytes = max(self.peak_bytes, self.bytes)
@@ -167,7 +170,6 @@ class _ByteQueue:
             if not self._q:
                 return None
             item, nbytes = self._q.popleft()
-            self.items -= 1
             self.bytes -= nbytes
             self._cond.notify_all()
         return item
