@@ -56,8 +56,11 @@ def _in_request_order(outcomes: pl.DataFrame) -> tuple[pl.DataFrame, np.ndarray]
         starts = np.ones(df.height, bool)
         starts[1:] = run[1:] != run[:-1]
         pos = df["position"].to_numpy()
-        if (not df.height or run[-1] + 1 == df["request_id"].n_unique()) \
-                and bool(np.all(starts[1:] | (pos[1:] > pos[:-1]))):
+        # Together when no id starts two runs: the ids at the runs' starts are distinct (a count of
+        # one id per request, not per row: the rows grow with the lake's age, on the whole sample
+        # trace's 6th increment 276k rows for 12k requests)
+        firsts = df["request_id"].filter(pl.Series(starts))
+        if firsts.n_unique() == firsts.len() and bool(np.all(starts[1:] | (pos[1:] > pos[:-1]))):
             break
     return df, starts
 

@@ -164,6 +164,24 @@ def test_only_positive_benefit_is_recommended(reqs: list[tuple[int, list[int], l
     assert_frame_equal(again, ranking)
 
 
+def test_requests_split_by_others_with_their_positions_rising_are_sorted_first() -> None:
+    """a and c share blocks 1, 2, 3 and b blocks 1 and 2. Each position rises within its run, so
+    only the ids at the runs' starts (a, b, c, b, a, c) show that the requests' rows are apart:
+    read as given, a's and c's third blocks would each start a request of their own, and the
+    group of block 3 would lose the two blocks before it."""
+    frame = _outcomes([("a", "rep-0", [1, 2, 3], ["miss_cold"] * 3),
+                       ("b", "rep-1", [1, 2, 5], ["miss_routing"] * 3),
+                       ("c", "rep-0", [1, 2, 3], ["hit_local", "hit_local", "miss_evicted"])])
+    row = {(r["request_id"], r["position"]): i for i, r in enumerate(frame.iter_rows(named=True))}
+    order = [("a", 0), ("a", 1), ("b", 0), ("c", 0), ("c", 1), ("b", 1), ("b", 2), ("a", 2), ("c", 2)]
+    split = frame[[row[k] for k in order]]
+    assert split["position"].to_list() == [0, 1, 0, 0, 1, 1, 2, 2, 2]
+    costs = _costs()
+    ranking = prefix_ranking(block_outcomes=frame, costs=costs, scenario="s", top_n=10**6)
+    assert _by_hash(ranking)[3]["prefix_tokens"] == 300
+    assert_frame_equal(prefix_ranking(block_outcomes=split, costs=costs, scenario="s", top_n=10**6), ranking)
+
+
 @pytest.fixture(scope="module")
 def round_robin(tmp_path_factory: pytest.TempPathFactory) -> pl.DataFrame:
     """Block outcomes of a 400-request trace on 4 round-robin replicas with small caches.
