@@ -470,19 +470,24 @@ class Prefetch:
                                             name=f"read {self._table}")
             self._thread.start()
 
-    def result(self) -> pl.DataFrame:
+    def take(self) -> pl.DataFrame:
+        """The rows, once: the prefetch keeps no reference to them (they are as many as the
+        scenario's rows, and the analyses after the ledger can reuse their memory once the caller
+        is done with them)."""
         self.start()
         assert self._thread is not None
         self._thread.join()
         if self._error is not None:
             raise self._error
-        assert self._rows is not None
-        return self._rows
+        rows, self._rows = self._rows, None
+        if rows is None:
+            raise RuntimeError(f"the {self._table} rows of {self._scenario} were taken already")
+        return rows
 
 
 def rows_of(rows: duckdb.DuckDBPyRelation | Prefetch) -> pl.DataFrame:
-    """The rows of a ``Resume``'s relation, or of its prefetch."""
-    return rows.result() if isinstance(rows, Prefetch) else rows.pl()
+    """The rows of a ``Resume``'s relation, or of its prefetch (taken: read them once)."""
+    return rows.take() if isinstance(rows, Prefetch) else rows.pl()
 
 
 def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, locs: _Codes,

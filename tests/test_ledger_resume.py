@@ -266,6 +266,9 @@ def test_a_prefetch_reads_its_scenarios_rows_in_order_and_raises_on_the_callers_
     unstarted = Prefetch(con, "t", "s")
     want = [v for (v,) in con.execute("SELECT v FROM t WHERE scenario = 's'").fetchall()]  # scan order
     assert rows_of(started)["v"].to_list() == want == rows_of(unstarted)["v"].to_list()
+    # taken once: the prefetch holds them no longer (the analyses after the ledger reuse the memory)
+    with pytest.raises(RuntimeError, match="taken already"):
+        rows_of(started)
     missing = Prefetch(con, "no_such_table", "s")
     missing.start()
     with pytest.raises(duckdb.CatalogException, match="no_such_table"):
