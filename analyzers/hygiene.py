@@ -46,13 +46,14 @@ def _mix(position: np.ndarray, token_hash: np.ndarray) -> np.ndarray:
 
 
 def _blocks(request_blocks: duckdb.DuckDBPyRelation) -> pl.DataFrame:
-    rel = request_blocks.select(
-        "request_id", "arrival_ns", "position", "content_hash", "token_hash", "block_tokens",
-        "block_size_tokens")
-    blocks = (rel.pl()
-              .filter((pl.col("block_tokens") >= pl.col("block_size_tokens"))
-                      & pl.col("content_hash").is_not_null() & pl.col("token_hash").is_not_null())
-              .unique(["request_id", "position"], keep="first"))
+    # Filtered in the scan: most lakes have no token hash (only a gateway with --keep-tokens or a
+    # trace with token ids gives one), and DuckDB then skips the row groups whose token_hash is all
+    # NULL rather than handing every row of a lake that grows with its age over to be dropped.
+    rel = request_blocks.filter(
+        "block_tokens >= block_size_tokens AND content_hash IS NOT NULL AND token_hash IS NOT NULL"
+    ).select("request_id", "arrival_ns", "position", "content_hash", "token_hash", "block_tokens",
+             "block_size_tokens")
+    blocks = rel.pl().unique(["request_id", "position"], keep="first")
     order = (blocks.group_by("request_id").agg(pl.col("arrival_ns").min())
              .sort("arrival_ns", "request_id").with_row_index("req", offset=0)
              .select("request_id", pl.col("req").cast(pl.Int64)))
