@@ -353,19 +353,26 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     is_recent = f"{LOOKUP_SQL} >= {t_c - 1}"
     recent = requests.filter(is_recent)
     ids = recent.select("request_id")
-    # One pass: the recent rows, their distinct ids, every row of an id with a recent row, and the
-    # rows without an arrival time.
-    ((rows, distinct, everywhere, unknown),) = requests.select(
+    # One pass: the recent rows, their distinct ids, every row of an id with a recent row, the rows
+    # without an arrival time, and the first arrival of the recent ones.
+    ((rows, distinct, everywhere, unknown, first),) = requests.select(
         f"request_id, arrival_ns, {is_recent} AS recent, "
         f"bool_or({is_recent}) OVER (PARTITION BY request_id) AS of_recent"
     ).aggregate("count(*) FILTER (WHERE recent), count(DISTINCT request_id) FILTER (WHERE recent), "
-                "count(*) FILTER (WHERE of_recent), count(*) FILTER (WHERE arrival_ns IS NULL)").fetchall()
+                "count(*) FILTER (WHERE of_recent), count(*) FILTER (WHERE arrival_ns IS NULL), "
+                "min(arrival_ns) FILTER (WHERE recent)").fetchall()
     if everywhere != rows or distinct != rows:
         raise _CannotContinue(f"{everywhere - distinct} request row(s) repeat the id of a request after the "
                               "checkpoint")
     if unknown:
         raise _CannotContinue(f"{unknown} request(s) have no arrival time")
-    req, full = _needed(recent, _only(request_blocks, ids), _only(transfers, ids))
+    # A request's blocks carry its arrival (kvlens.schema: request_blocks.arrival_ns, written from the
+    # request's by every collector and importer), so the recent requests' blocks arrived no earlier
+    # than the first of them: the join reads the segments from there on (parquet statistics), not a
+    # lake that grows with its age. (A block row without an arrival is read wherever it is.)
+    blocks = request_blocks if first is None else request_blocks.filter(
+        f"arrival_ns >= {int(first)} OR arrival_ns IS NULL")
+    req, full = _needed(recent, _only(blocks, ids), _only(transfers, ids))
     req = req.filter(pl.col("lookup_ns") >= t_c)
     full = full.join(req.select("request_id"), on="request_id", how="semi")
     st = ready(resume.state)  # (parsed on a worker thread meanwhile, when the caller gave one)
