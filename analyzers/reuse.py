@@ -462,13 +462,13 @@ def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.
         return rows, None
     # in stream order, so the accesses before the cut come first (unstamped ones sort last)
     settled = m + int((ts.slice(m) < cut_ns).sum())
-    return rows, _last_accesses(name, keys, sizes, ts, d.prev, settled)
+    return rows, _last_accesses(keys, sizes, ts, d.prev, settled)
 
 
-def _last_accesses(name: str, keys: np.ndarray, sizes: np.ndarray, ts: pl.Series, prev: np.ndarray,
+def _last_accesses(keys: np.ndarray, sizes: np.ndarray, ts: pl.Series, prev: np.ndarray,
                    n: int) -> pl.DataFrame:
-    """stream, block_hash, size, ts_ns: each key of the first ``n`` accesses once, at its last
-    access among them, in the order of those. ``prev``: each access's previous access to its key
+    """block_hash, size, ts_ns: each key of the first ``n`` accesses once, at its last access among
+    them, in the order of those. ``prev``: each access's previous access to its key
     (``Distances.prev``): an access is a key's last unless a later one of the ``n`` names it (no
     sort of the keys: a stream's keys grow with the lake's age)."""
     later = prev[:n]
@@ -477,8 +477,7 @@ def _last_accesses(name: str, keys: np.ndarray, sizes: np.ndarray, ts: pl.Series
     last = np.flatnonzero(last)
     return pl.DataFrame({"block_hash": pl.Series(keys[last], dtype=pl.UInt64),
                          "size": pl.Series(sizes[last], dtype=pl.Int64),
-                         "ts_ns": ts.cast(pl.Int64).gather(last)}).select(
-        pl.lit(name, pl.String).alias("stream"), pl.all())
+                         "ts_ns": ts.cast(pl.Int64).gather(last)})
 
 
 @dataclass(frozen=True)
@@ -553,10 +552,20 @@ class ReuseState:
     unfilled: int  # of those, the ones without block_tokens (their size is ``fill_tokens``)
     fill_tokens: int
     tokens: pl.DataFrame  # block_tokens, count: the known sizes of those events
-    stacks: pl.DataFrame  # stream, block_hash, size, ts_ns: each stream's stack, in last-access order
+    # block_hash, size, ts_ns: each stream's stack in last-access order, one stream after another
+    # (``streams``: their names and lengths; a column naming each row's stream was a third of the
+    # time to write and half the time to read the whole sample trace's 5th state, 683k rows)
+    stacks: pl.DataFrame
     roots: pl.DataFrame  # block_hash: the chain roots (position 0) of the whole stream when saved
+    streams: tuple[tuple[str, int], ...] = ()  # (stream, its stack's rows), in the order of ``stacks``
     kept_rows: int = 0  # read back with the rows of table reuse before the checkpoint (not saved)
     stream: pl.DataFrame | None = None  # the `requests` stream's accesses before the checkpoint
+
+    def __post_init__(self) -> None:
+        names = [name for name, _ in self.streams]
+        if len(set(names)) != len(names) or sum(n for _, n in self.streams) != self.stacks.height \
+                or any(n < 0 for _, n in self.streams):
+            raise ValueError(f"the stacks' {self.stacks.height} rows are not those of streams {self.streams}")
 
     def to_bytes(self) -> bytes:
         frames = {"tokens": self.tokens, "stacks": self.stacks, "roots": self.roots}
@@ -564,14 +573,20 @@ class ReuseState:
             frames["stream"] = self.stream
         return pack({"checkpoint_ns": self.checkpoint_ns, "bytes_per_token": self.bytes_per_token,
                      "accesses": self.accesses, "events": self.events, "unfilled": self.unfilled,
-                     "fill_tokens": self.fill_tokens}, frames)
+                     "fill_tokens": self.fill_tokens, "streams": [list(s) for s in self.streams]}, frames)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ReuseState:
         head, frames = unpack(data)
         return cls(int(head["checkpoint_ns"]), int(head["bytes_per_token"]), int(head["accesses"]),
                    int(head["events"]), int(head["unfilled"]), int(head["fill_tokens"]), frames["tokens"],
-                   frames["stacks"], frames["roots"], stream=frames.get("stream"))
+                   frames["stacks"], frames["roots"],
+                   tuple((str(name), int(n)) for name, n in head["streams"]), stream=frames.get("stream"))
+
+    def by_stream(self) -> dict[str, pl.DataFrame]:
+        """Each stream's stack (block_hash, size, ts_ns), by name."""
+        starts = itertools.accumulate((n for _, n in self.streams), initial=0)
+        return {name: self.stacks.slice(at, n) for (name, n), at in zip(self.streams, starts, strict=False)}
 
 
 @dataclass(frozen=True)
@@ -625,7 +640,7 @@ def _sorted(parts: list[pl.DataFrame], scenario: str) -> pl.DataFrame:
 
 def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, prior: ReuseState | None,
              bytes_per_token: int, cut_ns: int | None
-             ) -> tuple[list[pl.DataFrame], list[pl.DataFrame], np.ndarray]:
+             ) -> tuple[list[pl.DataFrame], list[tuple[str, pl.DataFrame]], np.ndarray]:
     """Every stream's rows for the `requests` accesses from ``start`` on and the stored events
     ``ev`` (those after ``prior``'s stacks; ``fill`` for their missing sizes); each replica and event
     stream's stack before ``cut_ns``; and the chain roots the whole stream has (the `requests`
@@ -641,8 +656,8 @@ def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, 
         before = np.flatnonzero((d.prev[:start] >= 0) & np.isin(keys[:start], new))
         group.insert(0, _rows_at("requests", keys, ts, d, before))
     parts = [base, *(g.with_columns(stream=pl.format("group:{}", pl.col("block_hash"))) for g in group)]
-    stacks: list[pl.DataFrame] = []
-    saved = _by_stream(prior.stacks) if prior is not None else {}
+    stacks: list[tuple[str, pl.DataFrame]] = []
+    saved = prior.by_stream() if prior is not None else {}
     named = []
     tail = rs.slice(start).filter(pl.col("replica").is_not_null())
     for (name,), f in tail.group_by("replica", maintain_order=True):
@@ -658,26 +673,13 @@ def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, 
                                cut_ns)
         parts.append(rows)
         if stack is not None:
-            stacks.append(stack)
-    stacks.extend(saved.values())  # streams with no access since the state: their stacks stand
+            stacks.append((name, stack))
+    stacks.extend(saved.items())  # streams with no access since the state: their stacks stand
     return parts, stacks, roots
 
 
-def _by_stream(stacks: pl.DataFrame) -> dict[str, pl.DataFrame]:
-    """A state's stacks per stream. ``_state`` writes each stream's stack in one run, so runs of the
-    stream column cut them (a fifth of a group-by's time on the bench's 248k rows); a frame whose
-    runs repeat a stream is grouped."""
-    runs = stacks["stream"].rle().struct.unnest()
-    names = runs["value"].to_list()
-    if len(set(names)) != len(names):
-        return {name: f for (name,), f in stacks.group_by("stream", maintain_order=True)}
-    lengths = runs["len"].to_list()
-    starts = itertools.accumulate(lengths, initial=0)
-    return {name: stacks.slice(at, n) for name, at, n in zip(names, starts, lengths, strict=False)}
-
-
 def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None, fill: int,
-           stacks: list[pl.DataFrame], roots: np.ndarray, bytes_per_token: int,
+           stacks: list[tuple[str, pl.DataFrame]], roots: np.ndarray, bytes_per_token: int,
            cut_ns: int | None) -> ReuseState | None:
     """The state at ``cut_ns`` after ``prior`` (None: from the start) and the stored events ``ev``
     after it (``fill``: the size those without block_tokens were given); None when no checkpoint is
@@ -691,7 +693,8 @@ def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None,
     if prior is not None:
         tokens = (pl.concat([prior.tokens, tokens]).group_by("block_tokens").agg(pl.col("count").sum())
                   .sort("block_tokens"))
-    schema = pl.Schema({"stream": pl.String, "block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64})
+    schema = pl.Schema({"block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64})
+    kept = [(name, s) for name, s in stacks if s.height]  # (a stream with none before the cut has none)
     accesses = int((ts < cut_ns).sum())
     return ReuseState(
         checkpoint_ns=cut_ns, bytes_per_token=bytes_per_token,
@@ -699,8 +702,9 @@ def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None,
         events=(prior.events if prior else 0) + settled_ev.height,
         unfilled=(prior.unfilled if prior else 0) + settled_ev["block_tokens"].null_count(),
         fill_tokens=fill, tokens=tokens,
-        stacks=pl.concat([s.cast(schema) for s in stacks]) if stacks else pl.DataFrame(schema=schema),
-        roots=pl.DataFrame({"block_hash": roots}, schema={"block_hash": pl.UInt64}))
+        stacks=pl.concat([s.cast(schema) for _, s in kept]) if kept else pl.DataFrame(schema=schema),
+        roots=pl.DataFrame({"block_hash": roots}, schema={"block_hash": pl.UInt64}),
+        streams=tuple((name, s.height) for name, s in kept))
 
 
 def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, bytes_per_token: int,

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvlens.analyzers.reuse import _by_stream, _last_accesses, reuse, reuse_distances
+from kvlens.analyzers.reuse import ReuseState, _last_accesses, reuse, reuse_distances
 from kvlens.schema import REUSE
 
 
@@ -317,17 +317,28 @@ def test_an_event_without_a_time_sorts_last_with_no_interval() -> None:
     assert fleet.select("ts_ns", "distance_blocks", "interval_ns").rows() == [(30, 1, 20), (None, 1, None)]
 
 
-@given(streams=st.lists(st.sampled_from(["fleet", "replica:r0", "replica:r1"]), max_size=30))
-def test_a_states_stacks_are_cut_per_stream_in_runs_or_grouped(streams: list[str]) -> None:
-    """Each stream's rows, in order, whether the stacks hold each stream in one run (as a state
-    writes them) or interleaved."""
-    stacks = pl.DataFrame({"stream": streams, "block_hash": list(range(len(streams)))},
-                          schema={"stream": pl.String, "block_hash": pl.UInt64})
-    for frame in (stacks, stacks.sort("stream", maintain_order=True)):
-        got = _by_stream(frame)
-        assert sorted(got) == sorted(set(streams))
-        for name, part in got.items():
-            assert part.to_dicts() == frame.filter(pl.col("stream") == name).to_dicts()
+@given(lengths=st.lists(st.integers(0, 5), max_size=4))
+def test_a_states_stacks_read_back_per_stream(lengths: list[int]) -> None:
+    """Each stream's stack, in order, after the state is written and read back; a state whose
+    streams do not add up to its stacks' rows, or name a stream twice, does not read."""
+    names = [f"replica:r{i}" for i in range(len(lengths))]
+    stacks = pl.DataFrame({"block_hash": list(range(sum(lengths))), "size": [16] * sum(lengths),
+                           "ts_ns": [10 * i for i in range(sum(lengths))]},
+                          schema={"block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64})
+    tokens = pl.DataFrame(schema={"block_tokens": pl.Int64, "count": pl.Int64})
+    roots = pl.DataFrame(schema={"block_hash": pl.UInt64})
+    state = ReuseState(5, 2, 0, 0, 0, 16, tokens, stacks, roots, tuple(zip(names, lengths, strict=True)))
+    got = ReuseState.from_bytes(state.to_bytes()).by_stream()
+    assert list(got) == names
+    start = 0
+    for name, n in zip(names, lengths, strict=True):
+        assert got[name].to_dicts() == stacks.slice(start, n).to_dicts()
+        start += n
+    with pytest.raises(ValueError, match="not those of streams"):
+        ReuseState(5, 2, 0, 0, 0, 16, tokens, stacks, roots, (("fleet", sum(lengths) + 1),))
+    if lengths:
+        with pytest.raises(ValueError, match="not those of streams"):
+            ReuseState(5, 2, 0, 0, 0, 16, tokens, stacks, roots, (("fleet", sum(lengths)), ("fleet", 0)))
 
 
 @settings(deadline=None)  # (the first example loads the distance kernels)
@@ -339,8 +350,8 @@ def test_a_stacks_last_accesses_are_each_keys_latest_before_the_cut(keys: list[i
     arr = np.array(keys, np.uint64)
     sizes = np.arange(len(keys), dtype=np.int64) * 10 + 1  # a size and a time per access
     ts = pl.Series(np.arange(len(keys), dtype=np.int64) * 100)
-    got = _last_accesses("fleet", arr, sizes, ts, reuse_distances(arr, sizes).prev, n)
+    got = _last_accesses(arr, sizes, ts, reuse_distances(arr, sizes).prev, n)
     last = {k: i for i, k in enumerate(keys[:n])}  # each key's latest index before the cut
     order = sorted(last.values())
-    assert got.columns == ["stream", "block_hash", "size", "ts_ns"]
-    assert got.rows() == [("fleet", keys[i], int(sizes[i]), i * 100) for i in order]
+    assert got.columns == ["block_hash", "size", "ts_ns"]
+    assert got.rows() == [(keys[i], int(sizes[i]), i * 100) for i in order]
