@@ -115,7 +115,8 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     plan.result = ledger_outcomes(
         requests=requests, request_blocks=blocks, kv_events=events, transfers=transfers, scenario=scenario,
         bytes_per_token=per_token, group_bytes_per_token=group_rates, horizon_ns=plan.horizon_ns,
-        resume=plan.resume, partitions=plan.partitions)
+        resume=plan.resume, partitions=plan.partitions,
+        transfers_since=plan.unchanged_before.get("transfers"))
     outcomes = plan.result.frame
     gaps, clears = event_gaps(metric_samples=samples, kv_events=events)
     result, settled, summed = plan.result, None, outcomes
@@ -151,7 +152,8 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         block_outcomes=outcomes, request_ledger=per_request, kv_events=events, transfers=transfers,
         scenario=scenario, bytes_per_token=per_token, resume=continued,
         checkpoint_ns=result.state.checkpoint_ns if result.state is not None else None, requests=requests,
-        events_unchanged_before=plan.unchanged_before.get("kv_events"))
+        events_unchanged_before=plan.unchanged_before.get("kv_events"),
+        loads_from=result.loads_from if continued is not None else None)
     yield "flows", byte_flows
     plan.fanout_kept = plan.keep_windows and result.appended is not None
     if plan.fanout_kept and result.appended is not None:

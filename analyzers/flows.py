@@ -346,7 +346,8 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
                     bytes_per_token: int, window_ns: int = DEFAULT_WINDOW_NS,
                     resume: FlowsState | None = None, checkpoint_ns: int | None = None,
                     requests: duckdb.DuckDBPyRelation | None = None,
-                    events_unchanged_before: int | None = None) -> tuple[pl.DataFrame, FlowsState | None]:
+                    events_unchanged_before: int | None = None,
+                    loads_from: int | None = None) -> tuple[pl.DataFrame, FlowsState | None]:
     """``flows``, continued from ``resume`` (the state at the checkpoint the ledger continued from:
     the outcomes of the requests that look up before it are those it was saved with) when it
     agrees, and the state at ``checkpoint_ns`` (the ledger's new checkpoint) when given.
@@ -354,7 +355,9 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
     loads of the requests it reads again rather than every transfer of the lake.
     ``events_unchanged_before``: a time before which ``kv_events`` holds the rows it held when
     ``resume`` was saved (analyzers/incremental.py, ``new_rows_from``): with the state's checkpoint
-    at or before it, its count of events is not read again."""
+    at or before it, its count of events is not read again. ``loads_from``: a time from which the
+    transfers of the requests that look up from ``resume``'s checkpoint on all lie (the continued
+    ledger's, ``Ledger.loads_from``), so that only those are read."""
     if window_ns <= 0:
         raise ValueError(f"window_ns must be positive, got {window_ns}")
     typical = block_outcomes["tokens"].median() if block_outcomes.height else None
@@ -375,7 +378,9 @@ def flows_continued(*, block_outcomes: pl.DataFrame, request_ledger: pl.DataFram
         # a superset of the replayed requests (SQL rounds half away from zero: 1 ns of slack);
         # only their rows join the replayed outcomes
         again = requests.filter(f"{LOOKUP_SQL} >= {since - 1}").select("request_id")
-        loads = transfers.set_alias("rows").join(again.set_alias("ids"), "request_id", how="semi")
+        scope = transfers if loads_from is None else transfers.filter(
+            f"ts_ns >= {int(loads_from)} OR ts_ns IS NULL")
+        loads = scope.set_alias("rows").join(again.set_alias("ids"), "request_id", how="semi")
     new_reads = _reads(outcomes, request_ledger, loads)
     if since is not None:
         new_reads = new_reads.filter(pl.col("lookup_ns") >= since)

@@ -75,6 +75,10 @@ class LedgerState:
     arrays: tuple[np.ndarray, ...]  # replay_resume's state
     needed: np.ndarray  # int64: block hashes the settled requests needed (for ``reusable``)
     settled_transfers: int  # loads stamped from T_c on for requests that may be settled
+    # The earliest transfer of a request that may look up from T_c on, or of one no request row
+    # names yet (None: there is none): the next run finds those requests' transfers from there on
+    # (and in what the lake gained since), not in the whole lake (outcomes.py, ``_loads_from``).
+    loads_from: int | None
     # stream places of the runs settled requests were admitted at (analyzers/admission.py's claims)
     claimed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
 
@@ -82,7 +86,8 @@ class LedgerState:
         meta = {"checkpoint_ns": self.checkpoint_ns, "events": self.events, "locations": list(self.locations),
                 "event_locations": self.event_locations, "prefix_locations": self.prefix_locations,
                 "namespaces": list(self.namespaces), "group_idx": list(self.group_idx),
-                "prefix_specs": self.prefix_specs, "settled_transfers": self.settled_transfers}
+                "prefix_specs": self.prefix_specs, "settled_transfers": self.settled_transfers,
+                "loads_from": self.loads_from}
         arrays = {"loc_grp": self.loc_grp, "windows": self.windows, "needed": self.needed,
                   "claimed": self.claimed, **dict(zip(_ARRAYS, self.arrays, strict=True))}
         return pack_arrays(meta, arrays)
@@ -97,6 +102,7 @@ class LedgerState:
                    windows=f["windows"], prefix_specs=meta["prefix_specs"],
                    arrays=tuple(f[name] for name in _ARRAYS), needed=f["needed"],
                    settled_transfers=int(meta["settled_transfers"]),
+                   loads_from=None if meta["loads_from"] is None else int(meta["loads_from"]),
                    claimed=f["claimed"])
 
 

@@ -247,6 +247,9 @@ class Ledger:
     # those of ``replaced`` (request ids), in their order, then these (an appending writer's delta).
     appended: pl.DataFrame | None = None
     replaced: pl.Series | None = None
+    # A continuation's: the time from which it read the transfers of the requests it replayed (None:
+    # all of them), which finds every one of them (``_loads_from``)
+    loads_from: int | None = None
 
 
 def block_outcomes(
@@ -291,6 +294,7 @@ def ledger_outcomes(
     horizon_ns: int | None = None,
     resume: Resume | None = None,
     partitions: Partitions | None = None,
+    transfers_since: int | None = None,
 ) -> Ledger:
     """``block_outcomes``, continued from ``resume`` where its state covers the lake (else a full
     replay, with the reason in ``refused``), and with the state at a new checkpoint at most
@@ -298,13 +302,17 @@ def ledger_outcomes(
     still arrive (the watermark less the lateness the next analysis accepts). With
     ``partitions``, a full replay runs in block-hash partitions (analyzers/partitions.py) and saves
     the state gathered from theirs; a continuation runs in this process (it replays only the
-    requests after the checkpoint)."""
+    requests after the checkpoint). ``transfers_since``: a time at or after which every transfer
+    row the lake gained since ``resume`` was saved is stamped (analyzers/incremental.py,
+    ``new_rows_from``; None: unknown), so a continuation reads only the transfers from the state's
+    ``loads_from`` or that time on."""
     refused = None
     if resume is not None:
         try:
             return _continued(resume, requests=requests, request_blocks=request_blocks, kv_events=kv_events,
                               transfers=transfers, scenario=scenario, bytes_per_token=bytes_per_token,
-                              group_bytes_per_token=group_bytes_per_token, horizon_ns=horizon_ns)
+                              group_bytes_per_token=group_bytes_per_token, horizon_ns=horizon_ns,
+                              transfers_since=transfers_since)
         except _CannotContinue as e:
             refused = str(e)
     req, full = _needed(requests, request_blocks, transfers)
@@ -332,17 +340,18 @@ def ledger_outcomes(
         start = LedgerState(
             checkpoint_ns=0, events=0, locations=tuple(locs.names), event_locations=event_locs,
             prefix_locations=0, namespaces=(), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
-            prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0,
+            prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0, loads_from=None,
             claimed=np.zeros(0, np.int64))
         state = _next_state(start, mark, ev, specs, req, full, spaces, saved,
-                            _settled_transfers(requests, transfers, mark[0])[0])
+                            _settled_transfers(requests, transfers, mark[0])[0],
+                            _loads_from(requests, transfers, mark[0]))
     return Ledger(frame, state, refused, req.height, (partitions.count or 0) if partitions else 0)
 
 
 def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
                kv_events: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, scenario: str,
                bytes_per_token: int, group_bytes_per_token: Sequence[int] | None,
-               horizon_ns: int | None) -> Ledger:
+               horizon_ns: int | None, transfers_since: int | None = None) -> Ledger:
     """The ledger from ``resume``: its settled rows, and a replay of the requests from its
     checkpoint on, from its state, over the events from the checkpoint on."""
     t_c = resume.checkpoint_ns
@@ -372,12 +381,18 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     # lake that grows with its age. (A block row without an arrival is read wherever it is.)
     blocks = request_blocks if first is None else request_blocks.filter(
         f"arrival_ns >= {int(first)} OR arrival_ns IS NULL")
-    req, full = _needed(recent, _only(blocks, ids), _only(transfers, ids))
-    req = req.filter(pl.col("lookup_ns") >= t_c)
-    full = full.join(req.select("request_id"), on="request_id", how="semi")
     st = ready(resume.state)  # (parsed on a worker thread meanwhile, when the caller gave one)
     if st is None:
         raise _CannotContinue("its saved state is unreadable")
+    # The transfers of these requests: from the earliest the state names, and in what the lake gained
+    # since it was saved; every transfer when the lake does not say how old its new rows are.
+    loads_from = None if transfers_since is None else min(
+        transfers_since, transfers_since if st.loads_from is None else st.loads_from)
+    loads = transfers if loads_from is None else transfers.filter(
+        f"ts_ns >= {int(loads_from)} OR ts_ns IS NULL")
+    req, full = _needed(recent, _only(blocks, ids), _only(loads, ids))
+    req = req.filter(pl.col("lookup_ns") >= t_c)
+    full = full.join(req.select("request_id"), on="request_id", how="semi")
     locs, spaces = _Codes(st.locations), _Codes(st.namespaces)
     single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy()
@@ -427,8 +442,8 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
         mark = checkpoint(ev["ev_ts"], st.events, t_c, horizon_ns, req["lookup_ns"].to_numpy(),
                           req["cut"].to_numpy(), req["own"].to_numpy())
     # the loads the state counted, and those the next state counts, in one query
-    loads = _settled_transfers(requests, transfers, t_c, *([mark[0]] if mark else []))
-    if loads[0] != st.settled_transfers:
+    settled = _settled_transfers(requests, transfers, t_c, *([mark[0]] if mark else []))
+    if settled[0] != st.settled_transfers:
         raise _CannotContinue("a request settled at the checkpoint has a load stamped after it")
     for rows in (resume.previous, resume.requests):  # read while the replay's one thread runs
         if isinstance(rows, Prefetch):
@@ -445,8 +460,9 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     # One chunk: every analysis after the ledger reads these rows (the read back comes in DuckDB's
     # vectors; on the whole sample trace's 6th increment miss_ledger took 22 ms on them, 14 rechunked)
     frame = pl.concat([kept.cast(new.schema), new], rechunk=True)
-    state = _next_state(st, mark, ev, specs, req, full, spaces, saved, loads[-1]) if mark else None
-    return Ledger(frame, state, None, req.height, appended=new, replaced=replaced)
+    state = _next_state(st, mark, ev, specs, req, full, spaces, saved, settled[-1],
+                        _loads_from(requests, loads, mark[0])) if mark else None
+    return Ledger(frame, state, None, req.height, appended=new, replaced=replaced, loads_from=loads_from)
 
 
 class Prefetch:
@@ -511,11 +527,11 @@ def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataF
 
 def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray], specs: pl.DataFrame,
                 req: pl.DataFrame, full: pl.DataFrame, spaces: _Codes, arrays: tuple[np.ndarray, ...],
-                settled_transfers: int) -> LedgerState:
+                settled_transfers: int, loads_from: int | None) -> LedgerState:
     """The state at checkpoint ``mark`` (time, stream place), from ``st`` (the one the replay started
     at) and what the replay read after it: its events (``ev``, ``specs``), requests (``req``, with
-    admission's ``own`` run) and blocks (``full``); ``settled_transfers``: ``_settled_transfers``
-    at ``mark``."""
+    admission's ``own`` run) and blocks (``full``); ``settled_transfers`` and ``loads_from``:
+    ``_settled_transfers`` and ``_loads_from`` at ``mark``."""
     local = mark[1] - st.events  # events of ``ev`` before the new checkpoint
     prefix = _specs_of(st.prefix_specs, specs)
     settled = req.filter((pl.col("lookup_ns") < mark[0]) & (pl.col("own") >= 0))["own"].to_numpy()
@@ -524,7 +540,7 @@ def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray
         prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),
         prefix_specs=json.dumps(_firsts(pl.concat([prefix, specs.head(local)])).rows()),
         needed=_with(st.needed, _hashes(full.filter(pl.col("lookup_ns") < mark[0]))),
-        settled_transfers=settled_transfers,
+        settled_transfers=settled_transfers, loads_from=loads_from,
         claimed=np.union1d(st.claimed, settled).astype(np.int64))
 
 
@@ -573,6 +589,25 @@ def _settled_transfers(requests: duckdb.DuckDBPyRelation, transfers: duckdb.Duck
     (counts,) = loads.aggregate(", ".join(f"count(*) FILTER (WHERE r.lookup < {t + 1} AND t.ts_ns >= {t})"
                                           for t in times)).fetchall()
     return [int(n) for n in counts]
+
+
+def _loads_from(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, t: int) -> int | None:
+    """The earliest transfer (ts_ns) of a request that may look up from ``t`` on (``LOOKUP_SQL``'s
+    slack, as a continuation from ``t`` finds its requests), or of one no row of ``requests`` names
+    (its row may come later); None when there is none.
+
+    A continuation from ``t`` needs every transfer of the requests that look up from ``t`` on. Those
+    already in the lake are the ones counted here: a request with a row then is one of the first
+    kind, and a request without is of the second (a request row stamped before the checkpoint that
+    lands later is a late segment: ``kvlens analyze`` rebuilds). The rest come with what the lake
+    gains after, so that continuation reads the transfers from the earlier of this time and the
+    oldest new row on, and the induction holds: every transfer of the second kind lies there too, as
+    it did when this state was saved. ``transfers`` may be a continuation's own such read."""
+    pending = requests.aggregate(f"request_id, bool_or({LOOKUP_SQL} >= {t - 1}) AS pending", "request_id")
+    rows = (transfers.filter("request_id IS NOT NULL AND ts_ns IS NOT NULL").set_alias("t")
+            .join(pending.set_alias("r"), "t.request_id = r.request_id", how="left"))
+    ((first,),) = rows.filter("r.request_id IS NULL OR r.pending").aggregate("min(t.ts_ns)").fetchall()
+    return None if first is None else int(first)
 
 
 def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, full: pl.DataFrame,

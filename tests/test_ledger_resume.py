@@ -114,15 +114,23 @@ def _ledger(rel: dict[str, duckdb.DuckDBPyRelation], scenario: str, **kw: object
 
 
 def _continued_and_full(con: duckdb.DuckDBPyConnection, lake: Lake, x: int,
-                        extra: dict[str, str] | None = None) -> tuple[Ledger, Ledger, Ledger]:
-    """(the old lake's ledger, the new one's continued from it, the new one's full replay)."""
-    old = _ledger(_relations(con, lake, x), lake.scenario, horizon_ns=x)
+                        extra: dict[str, str] | None = None,
+                        both: dict[str, str] | None = None) -> tuple[Ledger, Ledger, Ledger]:
+    """(the old lake's ledger, the new one's continued from it, the new one's full replay). The new
+    lake is the old one and its rows stamped from ``x`` on (``extra``'s too: they are stamped
+    there), so the continuation is told its transfers from ``x`` on are new (``transfers_since``);
+    ``both``: rows of both lakes."""
+    old = _ledger(_relations(con, lake, x, both), lake.scenario, horizon_ns=x)
     assert old.state is not None and old.state.checkpoint_ns <= x
     con.register("old_frame", old.frame.to_arrow())
     con.execute("CREATE OR REPLACE TABLE previous AS SELECT * FROM old_frame")  # a table: ordered by rowid
-    new = _relations(con, lake, None, extra)
+    added: dict[str, list[str]] = {}
+    for rows in (extra or {}, both or {}):
+        for table, query in rows.items():
+            added.setdefault(table, []).append(f"({query})")
+    new = _relations(con, lake, None, {k: " UNION ALL ".join(v) for k, v in added.items()} or None)
     saved = LedgerState.from_bytes(old.state.to_bytes())  # as the analysis DB keeps it
-    resumed = _ledger(new, lake.scenario, resume=Resume(saved, con.table("previous")))
+    resumed = _ledger(new, lake.scenario, resume=Resume(saved, con.table("previous")), transfers_since=x)
     full = _ledger(new, lake.scenario)
     assert_frame_equal(resumed.frame, full.frame)
     assert full.frame.height > old.frame.height
@@ -202,6 +210,42 @@ def test_a_late_load_of_a_settled_request_is_replayed_in_full(simulated: Lake,
     _, resumed, _ = _continued_and_full(con, simulated, x, {"transfers": late})
     assert resumed.refused == "a request settled at the checkpoint has a load stamped after it"
 
+
+
+def _failed_load(lake: Lake, where: str, at: int) -> str:
+    """A failed load stamped at ``at`` of the last full block that its replica received no transfer of
+    (seldom a hit: the load then changes its outcome) of the first request that matches ``where`` (on
+    requests ``r``), as a row of table transfers."""
+    return (f"SELECT b.request_id, b.scenario, {at} AS ts_ns, r.replica, 'pool' AS origin, b.block_hash, "
+            "1 AS blocks, 0 AS bytes, 1.0 AS duration_ms, 'error' AS status "
+            "FROM request_blocks b JOIN requests r "
+            "ON b.request_id = r.request_id AND b.scenario = r.scenario "
+            f"WHERE b.scenario = '{lake.scenario}' AND {where} AND b.block_tokens >= b.block_size_tokens "
+            "AND NOT EXISTS (SELECT 1 FROM transfers t WHERE t.request_id = b.request_id "
+            "AND t.block_hash = b.block_hash AND (t.replica IS NULL OR t.replica = r.replica)) "
+            "ORDER BY r.arrival_ns, r.request_id, b.position DESC LIMIT 1")
+
+
+@pytest.mark.parametrize("whose", ["queued", "unnamed"])
+def test_a_continuation_finds_its_requests_transfers_stamped_long_before(
+        whose: str, simulated: Lake, con: duckdb.DuckDBPyConnection) -> None:
+    """A failed load stamped at the lake's first instant, long before the checkpoint (in the old lake
+    and the new): of a request the old lake holds that looks up after the checkpoint (``queued``: its
+    transfers are the state's to find), or of a request whose row only the new lake holds
+    (``unnamed``: no row named it when the state was saved). The continuation reads the transfers from
+    there on, not only the new rows, and its outcomes are the full replay's."""
+    x = (simulated.first + simulated.last) // 2
+    where = {"queued": f"r.arrival_ns < {x} AND r.arrival_ns + r.queue_ms * 1e6 >= {x}",
+             "unnamed": f"r.arrival_ns >= {x}"}[whose]
+    early = _failed_load(simulated, where, simulated.first)
+    open_lake(con, simulated.path)
+    assert con.sql(f"SELECT count(*) FROM ({early})").fetchall() == [(1,)]
+    old, resumed, full = _continued_and_full(con, simulated, x, both={"transfers": early})
+    assert old.state is not None and old.state.loads_from == simulated.first
+    assert resumed.loads_from == simulated.first
+    # the load changes an outcome: without it, the full replay differs
+    without = _ledger(_relations(con, simulated, None), simulated.scenario)
+    assert not full.frame.equals(without.frame)
 
 
 def test_the_runs_settled_requests_claimed_stay_theirs(tmp_path: Path,
