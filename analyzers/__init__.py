@@ -115,8 +115,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     plan.result = ledger_outcomes(
         requests=requests, request_blocks=blocks, kv_events=events, transfers=transfers, scenario=scenario,
         bytes_per_token=per_token, group_bytes_per_token=group_rates, horizon_ns=plan.horizon_ns,
-        resume=plan.resume, partitions=plan.partitions,
-        transfers_since=plan.unchanged_before.get("transfers"))
+        resume=plan.resume, partitions=plan.partitions)
     outcomes = plan.result.frame
     gaps, clears = event_gaps(metric_samples=samples, kv_events=events)
     result, settled, summed = plan.result, None, outcomes

@@ -294,7 +294,6 @@ def ledger_outcomes(
     horizon_ns: int | None = None,
     resume: Resume | None = None,
     partitions: Partitions | None = None,
-    transfers_since: int | None = None,
 ) -> Ledger:
     """``block_outcomes``, continued from ``resume`` where its state covers the lake (else a full
     replay, with the reason in ``refused``), and with the state at a new checkpoint at most
@@ -302,17 +301,13 @@ def ledger_outcomes(
     still arrive (the watermark less the lateness the next analysis accepts). With
     ``partitions``, a full replay runs in block-hash partitions (analyzers/partitions.py) and saves
     the state gathered from theirs; a continuation runs in this process (it replays only the
-    requests after the checkpoint). ``transfers_since``: a time at or after which every transfer
-    row the lake gained since ``resume`` was saved is stamped (analyzers/incremental.py,
-    ``new_rows_from``; None: unknown), so a continuation reads only the transfers from the state's
-    ``loads_from`` or that time on."""
+    requests after the checkpoint)."""
     refused = None
     if resume is not None:
         try:
             return _continued(resume, requests=requests, request_blocks=request_blocks, kv_events=kv_events,
                               transfers=transfers, scenario=scenario, bytes_per_token=bytes_per_token,
-                              group_bytes_per_token=group_bytes_per_token, horizon_ns=horizon_ns,
-                              transfers_since=transfers_since)
+                              group_bytes_per_token=group_bytes_per_token, horizon_ns=horizon_ns)
         except _CannotContinue as e:
             refused = str(e)
     req, full = _needed(requests, request_blocks, transfers)
@@ -351,7 +346,7 @@ def ledger_outcomes(
 def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRelation,
                kv_events: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, scenario: str,
                bytes_per_token: int, group_bytes_per_token: Sequence[int] | None,
-               horizon_ns: int | None, transfers_since: int | None = None) -> Ledger:
+               horizon_ns: int | None) -> Ledger:
     """The ledger from ``resume``: its settled rows, and a replay of the requests from its
     checkpoint on, from its state, over the events from the checkpoint on."""
     t_c = resume.checkpoint_ns
@@ -384,12 +379,10 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     st = ready(resume.state)  # (parsed on a worker thread meanwhile, when the caller gave one)
     if st is None:
         raise _CannotContinue("its saved state is unreadable")
-    # The transfers of these requests: from the earliest the state names, and in what the lake gained
-    # since it was saved; every transfer when the lake does not say how old its new rows are.
-    loads_from = None if transfers_since is None else min(
-        transfers_since, transfers_since if st.loads_from is None else st.loads_from)
-    loads = transfers if loads_from is None else transfers.filter(
-        f"ts_ns >= {int(loads_from)} OR ts_ns IS NULL")
+    # The transfers of these requests: from the earliest the state names, or the checkpoint if earlier
+    # (``_loads_from`` says why that finds them all), not every transfer the lake ever held.
+    loads_from = t_c if st.loads_from is None else min(st.loads_from, t_c)
+    loads = transfers.filter(f"ts_ns >= {int(loads_from)} OR ts_ns IS NULL")
     req, full = _needed(recent, _only(blocks, ids), _only(loads, ids))
     req = req.filter(pl.col("lookup_ns") >= t_c)
     full = full.join(req.select("request_id"), on="request_id", how="semi")
@@ -596,13 +589,14 @@ def _loads_from(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRel
     slack, as a continuation from ``t`` finds its requests), or of one no row of ``requests`` names
     (its row may come later); None when there is none.
 
-    A continuation from ``t`` needs every transfer of the requests that look up from ``t`` on. Those
-    already in the lake are the ones counted here: a request with a row then is one of the first
-    kind, and a request without is of the second (a request row stamped before the checkpoint that
-    lands later is a late segment: ``kvlens analyze`` rebuilds). The rest come with what the lake
-    gains after, so that continuation reads the transfers from the earlier of this time and the
-    oldest new row on, and the induction holds: every transfer of the second kind lies there too, as
-    it did when this state was saved. ``transfers`` may be a continuation's own such read."""
+    A continuation from ``t`` needs every transfer of the requests that look up from ``t`` on, and
+    reads those from the earlier of this time and ``t`` on. A transfer already in the lake when it
+    is counted here is of a request with a row then (of the first kind) or without one (of the
+    second: its row comes later; one stamped before the checkpoint is a late segment, and
+    ``kvlens analyze`` rebuilds). One that comes after is stamped from ``t`` on, else its segment is
+    late too (``t`` is at most the horizon the next run checks new segments against). So the read
+    holds every transfer of the second kind still unnamed then, and the count there holds, by
+    induction, when ``transfers`` is a continuation's own such read."""
     pending = requests.aggregate(f"request_id, bool_or({LOOKUP_SQL} >= {t - 1}) AS pending", "request_id")
     rows = (transfers.filter("request_id IS NOT NULL AND ts_ns IS NOT NULL").set_alias("t")
             .join(pending.set_alias("r"), "t.request_id = r.request_id", how="left"))

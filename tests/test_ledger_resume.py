@@ -116,10 +116,8 @@ def _ledger(rel: dict[str, duckdb.DuckDBPyRelation], scenario: str, **kw: object
 def _continued_and_full(con: duckdb.DuckDBPyConnection, lake: Lake, x: int,
                         extra: dict[str, str] | None = None,
                         both: dict[str, str] | None = None) -> tuple[Ledger, Ledger, Ledger]:
-    """(the old lake's ledger, the new one's continued from it, the new one's full replay). The new
-    lake is the old one and its rows stamped from ``x`` on (``extra``'s too: they are stamped
-    there), so the continuation is told its transfers from ``x`` on are new (``transfers_since``);
-    ``both``: rows of both lakes."""
+    """(the old lake's ledger, the new one's continued from it, the new one's full replay); ``extra``:
+    rows of the new lake only, ``both``: of both."""
     old = _ledger(_relations(con, lake, x, both), lake.scenario, horizon_ns=x)
     assert old.state is not None and old.state.checkpoint_ns <= x
     con.register("old_frame", old.frame.to_arrow())
@@ -130,7 +128,7 @@ def _continued_and_full(con: duckdb.DuckDBPyConnection, lake: Lake, x: int,
             added.setdefault(table, []).append(f"({query})")
     new = _relations(con, lake, None, {k: " UNION ALL ".join(v) for k, v in added.items()} or None)
     saved = LedgerState.from_bytes(old.state.to_bytes())  # as the analysis DB keeps it
-    resumed = _ledger(new, lake.scenario, resume=Resume(saved, con.table("previous")), transfers_since=x)
+    resumed = _ledger(new, lake.scenario, resume=Resume(saved, con.table("previous")))
     full = _ledger(new, lake.scenario)
     assert_frame_equal(resumed.frame, full.frame)
     assert full.frame.height > old.frame.height
@@ -233,7 +231,7 @@ def test_a_continuation_finds_its_requests_transfers_stamped_long_before(
     and the new): of a request the old lake holds that looks up after the checkpoint (``queued``: its
     transfers are the state's to find), or of a request whose row only the new lake holds
     (``unnamed``: no row named it when the state was saved). The continuation reads the transfers from
-    there on, not only the new rows, and its outcomes are the full replay's."""
+    there on, not from its checkpoint, and its outcomes are the full replay's."""
     x = (simulated.first + simulated.last) // 2
     where = {"queued": f"r.arrival_ns < {x} AND r.arrival_ns + r.queue_ms * 1e6 >= {x}",
              "unnamed": f"r.arrival_ns >= {x}"}[whose]
