@@ -590,13 +590,13 @@ def _loads_from(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRel
     (its row may come later); None when there is none.
 
     A continuation from ``t`` needs every transfer of the requests that look up from ``t`` on, and
-    reads those from the earlier of this time and ``t`` on. A transfer already in the lake when it
-    is counted here is of a request with a row then (of the first kind) or without one (of the
-    second: its row comes later; one stamped before the checkpoint is a late segment, and
-    ``kvlens analyze`` rebuilds). One that comes after is stamped from ``t`` on, else its segment is
-    late too (``t`` is at most the horizon the next run checks new segments against). So the read
-    holds every transfer of the second kind still unnamed then, and the count there holds, by
-    induction, when ``transfers`` is a continuation's own such read."""
+    reads the transfers from the earlier of this time and ``t`` on. Those already in the lake here
+    are counted: a request with a row here is one of the first kind, and one without a row yet is of
+    the second (a row of it stamped before ``t`` that lands later is in a late segment, and
+    ``kvlens analyze`` rebuilds). A transfer that lands later is stamped from ``t`` on, or its
+    segment is late too (``t`` is at most the horizon the next run checks new segments against).
+    ``transfers`` may be a continuation's own such read: it holds every transfer of a request still
+    without a row, because the count that bounded it held them."""
     pending = requests.aggregate(f"request_id, bool_or({LOOKUP_SQL} >= {t - 1}) AS pending", "request_id")
     rows = (transfers.filter("request_id IS NOT NULL AND ts_ns IS NOT NULL").set_alias("t")
             .join(pending.set_alias("r"), "t.request_id = r.request_id", how="left"))
