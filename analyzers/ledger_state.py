@@ -77,7 +77,7 @@ class LedgerState:
     settled_transfers: int  # loads stamped from T_c on for requests that may be settled
     # The earliest transfer of a request that may look up from T_c on, or of one no request row
     # names yet (None: there is none): the next run finds those requests' transfers from there (or
-    # T_c if earlier) on, not in the whole lake (outcomes.py, ``_loads_from``).
+    # T_c if earlier) on, not in the whole lake (outcomes.py, ``_transfer_marks``).
     loads_from: int | None
     # stream places of the runs settled requests were admitted at (analyzers/admission.py's claims)
     claimed: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))

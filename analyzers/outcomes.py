@@ -248,7 +248,7 @@ class Ledger:
     appended: pl.DataFrame | None = None
     replaced: pl.Series | None = None
     # A continuation's: the time from which it read the transfers of the requests it replayed (None:
-    # all of them), which finds every one of them (``_loads_from``)
+    # all of them), which finds every one of them (``_transfer_marks``)
     loads_from: int | None = None
 
 
@@ -337,9 +337,8 @@ def ledger_outcomes(
             prefix_locations=0, namespaces=(), group_idx=tuple(group_idx), loc_grp=loc_grp, windows=windows,
             prefix_specs="[]", arrays=(), needed=np.zeros(0, np.int64), settled_transfers=0, loads_from=None,
             claimed=np.zeros(0, np.int64))
-        state = _next_state(start, mark, ev, specs, req, full, spaces, saved,
-                            _settled_transfers(requests, transfers, mark[0])[0],
-                            _loads_from(requests, transfers, mark[0]))
+        (settled,), first = _transfer_marks(requests, transfers, [mark[0]], mark[0])
+        state = _next_state(start, mark, ev, specs, req, full, spaces, saved, settled, first)
     return Ledger(frame, state, refused, req.height, (partitions.count or 0) if partitions else 0)
 
 
@@ -380,7 +379,7 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     if st is None:
         raise _CannotContinue("its saved state is unreadable")
     # The transfers of these requests: from the earliest the state names, or the checkpoint if earlier
-    # (``_loads_from`` says why that finds them all), not every transfer the lake ever held.
+    # (``_transfer_marks`` says why that finds them all), not every transfer the lake ever held.
     loads_from = t_c if st.loads_from is None else min(st.loads_from, t_c)
     loads = transfers.filter(f"ts_ns >= {int(loads_from)} OR ts_ns IS NULL")
     req, full = _needed(recent, _only(blocks, ids), _only(loads, ids))
@@ -434,8 +433,10 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     if horizon_ns is not None:
         mark = checkpoint(ev["ev_ts"], st.events, t_c, horizon_ns, req["lookup_ns"].to_numpy(),
                           req["cut"].to_numpy(), req["own"].to_numpy())
-    # the loads the state counted, and those the next state counts, in one query
-    settled = _settled_transfers(requests, transfers, t_c, *([mark[0]] if mark else []))
+    # the loads the state counted, and those the next state counts and its earliest transfer, in one
+    # query (over the transfers read above: from at most t_c on, so every load these count)
+    settled, first_load = _transfer_marks(requests, loads, [t_c, *([mark[0]] if mark else [])],
+                                          mark[0] if mark else None)
     if settled[0] != st.settled_transfers:
         raise _CannotContinue("a request settled at the checkpoint has a load stamped after it")
     for rows in (resume.previous, resume.requests):  # read while the replay's one thread runs
@@ -454,7 +455,7 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     # vectors; on the whole sample trace's 6th increment miss_ledger took 22 ms on them, 14 rechunked)
     frame = pl.concat([kept.cast(new.schema), new], rechunk=True)
     state = _next_state(st, mark, ev, specs, req, full, spaces, saved, settled[-1],
-                        _loads_from(requests, loads, mark[0])) if mark else None
+                        first_load) if mark else None
     return Ledger(frame, state, None, req.height, appended=new, replaced=replaced, loads_from=loads_from)
 
 
@@ -524,7 +525,7 @@ def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray
     """The state at checkpoint ``mark`` (time, stream place), from ``st`` (the one the replay started
     at) and what the replay read after it: its events (``ev``, ``specs``), requests (``req``, with
     admission's ``own`` run) and blocks (``full``); ``settled_transfers`` and ``loads_from``:
-    ``_settled_transfers`` and ``_loads_from`` at ``mark``."""
+    ``_transfer_marks``' at ``mark``."""
     local = mark[1] - st.events  # events of ``ev`` before the new checkpoint
     prefix = _specs_of(st.prefix_specs, specs)
     settled = req.filter((pl.col("lookup_ns") < mark[0]) & (pl.col("own") >= 0))["own"].to_numpy()
@@ -569,39 +570,36 @@ def _hashes(full: pl.DataFrame) -> np.ndarray:
     return np.unique(_u64_as_i64(full["block_hash"]))
 
 
-def _settled_transfers(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation,
-                       *times: int) -> list[int]:
-    """Per time ``t`` of ``times``: the loads (``_needed``'s: a block the serving replica received)
-    stamped from ``t`` on for requests that may look up before it (with the slack of
-    ``LOOKUP_SQL``'s rounding: a superset of the settled ones); one query for them all."""
-    settled = (requests.filter(f"{LOOKUP_SQL} < {max(times) + 1}")
-               .project(f"request_id, replica, {LOOKUP_SQL} AS lookup").set_alias("r"))
-    loads = (transfers.filter(duckdb.ColumnExpression("ts_ns") >= min(times)).set_alias("t")
-             .join(settled, "t.request_id = r.request_id AND t.block_hash IS NOT NULL "
-                            "AND (t.replica IS NULL OR t.replica = r.replica)"))
-    (counts,) = loads.aggregate(", ".join(f"count(*) FILTER (WHERE r.lookup < {t + 1} AND t.ts_ns >= {t})"
-                                          for t in times)).fetchall()
-    return [int(n) for n in counts]
+def _transfer_marks(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation,
+                    times: Sequence[int], pending_from: int | None) -> tuple[list[int], int | None]:
+    """What a state records of the transfers, in one query over ``transfers``: per time ``t`` of
+    ``times``, the loads (``_needed``'s: a block the serving replica received) stamped from ``t``
+    on for requests that may look up before it (with the slack of ``LOOKUP_SQL``'s rounding: a
+    superset of the settled ones); and, with ``pending_from`` (else None), the earliest transfer
+    (ts_ns) of a request that may look up from it on (the same slack, as a continuation from it
+    finds its requests), or of one no row of ``requests`` names (its row may come later), None when
+    there is none.
 
-
-def _loads_from(requests: duckdb.DuckDBPyRelation, transfers: duckdb.DuckDBPyRelation, t: int) -> int | None:
-    """The earliest transfer (ts_ns) of a request that may look up from ``t`` on (``LOOKUP_SQL``'s
-    slack, as a continuation from ``t`` finds its requests), or of one no row of ``requests`` names
-    (its row may come later); None when there is none.
-
-    A continuation from ``t`` needs every transfer of the requests that look up from ``t`` on, and
-    reads the transfers from the earlier of this time and ``t`` on. Those already in the lake here
-    are counted: a request with a row here is one of the first kind, and one without a row yet is of
-    the second (a row of it stamped before ``t`` that lands later is in a late segment, and
-    ``kvlens analyze`` rebuilds). A transfer that lands later is stamped from ``t`` on, or its
-    segment is late too (``t`` is at most the horizon the next run checks new segments against).
-    ``transfers`` may be a continuation's own such read: it holds every transfer of a request still
-    without a row, because the count that bounded it held them."""
-    pending = requests.aggregate(f"request_id, bool_or({LOOKUP_SQL} >= {t - 1}) AS pending", "request_id")
-    rows = (transfers.filter("request_id IS NOT NULL AND ts_ns IS NOT NULL").set_alias("t")
-            .join(pending.set_alias("r"), "t.request_id = r.request_id", how="left"))
-    ((first,),) = rows.filter("r.request_id IS NULL OR r.pending").aggregate("min(t.ts_ns)").fetchall()
-    return None if first is None else int(first)
+    A continuation from ``pending_from`` needs every transfer of the requests that look up from it
+    on, and reads the transfers from the earlier of that earliest time and it. Those already in the
+    lake here are counted: a request with a row here is one of the first kind, and one without a row
+    yet is of the second (a row of it stamped before ``pending_from`` that lands later is in a late
+    segment, and ``kvlens analyze`` rebuilds). A transfer that lands later is stamped from
+    ``pending_from`` on, or its segment is late too (the checkpoint is at most the horizon the next
+    run checks new segments against). ``transfers`` may be a continuation's own such read (from at
+    most its earliest time): it holds every transfer of a request still without a row, because the
+    count that bounded it held them."""
+    rows = (transfers.filter("request_id IS NOT NULL").set_alias("t")
+            .join(requests.project(f"request_id, replica, {LOOKUP_SQL} AS lookup").set_alias("r"),
+                  "t.request_id = r.request_id", how="left"))
+    load = ("r.request_id IS NOT NULL AND t.block_hash IS NOT NULL "
+            "AND (t.replica IS NULL OR t.replica = r.replica)")
+    marks = [f"count(*) FILTER (WHERE {load} AND r.lookup < {t + 1} AND t.ts_ns >= {t})" for t in times]
+    if pending_from is not None:
+        marks.append(f"min(t.ts_ns) FILTER (WHERE r.request_id IS NULL OR r.lookup >= {pending_from - 1})")
+    (got,) = rows.aggregate(", ".join(marks)).fetchall()
+    first = got[len(times)] if pending_from is not None else None
+    return [int(n) for n in got[:len(times)]], None if first is None else int(first)
 
 
 def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, full: pl.DataFrame,
