@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import duckdb
 import polars as pl
 
-from kvlens.analyzers.capacity import effective_capacity, ttl_coverage
+from kvlens.analyzers.capacity import DEFAULT_TTLS_S, effective_capacity, ttl_coverage
 from kvlens.analyzers.costs import cost_model
 from kvlens.analyzers.crossover import crossover
 from kvlens.analyzers.fanout import fanout, fanout_since
@@ -33,6 +33,7 @@ from kvlens.analyzers.request_ledger import request_ledger
 from kvlens.analyzers.reuse import ReuseState, access_stream, reuse, reuse_continued
 from kvlens.analyzers.scans import Scans, ScanState
 from kvlens.analyzers.state_blob import Pending, ready
+from kvlens.analyzers.stream_summary import requests_curves
 from kvlens.analyzers.tails import latency_tails
 from kvlens.analyzers.tiers import tier_payoff, tier_reconciliation
 from kvlens.analyzers.warmup import warmup
@@ -183,18 +184,28 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
                            if scans.resume is not None
                            else f"lake aggregates computed in full: {scans.refused}")
     reuse_resume = ready(plan.reuse_resume)
-    stream = access_stream(blocks, scenario, per_token, requests, prior=reuse_resume,
+    # The `requests` stream from the state's stack on, where it kept one (its accesses of one size);
+    # the partitioned curve reads the whole stream.
+    stream = access_stream(blocks, scenario, per_token, requests,
+                           prior=reuse_resume if plan.partitions is None else None,
                            unchanged_before=plan.unchanged_before.get("request_blocks"))
     reused = reuse_continued(kv_events=events, bytes_per_token=per_token, scenario=scenario, stream=stream,
                              resume=reuse_resume, checkpoint_ns=plan.horizon_ns,
-                             events_unchanged_before=plan.unchanged_before.get("kv_events"))
-    plan.reuse_state, plan.reuse_since, plan.reuse_refused = reused.state, reused.since, reused.refused
+                             events_unchanged_before=plan.unchanged_before.get("kv_events"),
+                             earlier=scenario_rows(con, "reuse", scenario),
+                             whole=lambda: access_stream(blocks, scenario, per_token, requests))
+    stream = reused.stream or stream
+    curves = requests_curves(stream, rate=SHARDS_RATE, ttls_s=DEFAULT_TTLS_S, cut_ns=plan.horizon_ns)
+    plan.reuse_state = (reused.state.with_requests(curves.stack if curves else None,
+                                                   curves.summary if curves else None)
+                        if reused.state is not None else None)
+    plan.reuse_since, plan.reuse_refused = reused.since, reused.refused
     yield "reuse", reused.frame
     curve = mrc(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
-                sample_rate=SHARDS_RATE, stream=stream, partitions=plan.partitions)
+                sample_rate=SHARDS_RATE, stream=stream, partitions=plan.partitions, curves=curves)
     yield "mrc", curve
     yield "ttl_coverage", ttl_coverage(request_blocks=blocks, bytes_per_token=per_token, scenario=scenario,
-                                       stream=stream)
+                                       stream=stream, curves=curves)
     if cache_tokens is not None:
         ((block,),) = blocks.aggregate("max(block_size_tokens)").fetchall()
         yield "capacity", effective_capacity(

@@ -28,6 +28,7 @@ import numpy as np
 import polars as pl
 
 from kvlens.analyzers.reuse import AccessStream, access_stream
+from kvlens.analyzers.stream_summary import Curves, TtlRow, requests_curves
 from kvlens.errors import ConfigError, NoDataError
 
 __all__ = ["DEFAULT_TTLS_S", "effective_capacity", "ttl_coverage"]
@@ -178,16 +179,23 @@ def _residences(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: Seq
 
 def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
                  ttls_s: Sequence[float] = DEFAULT_TTLS_S,
-                 stream: AccessStream | None = None) -> pl.DataFrame:
+                 stream: AccessStream | None = None, curves: Curves | None = None) -> pl.DataFrame:
     """One row per TTL for the `requests` stream, sorted by ttl_s.
 
     Columns: scenario, ttl_s, reaccesses, covered_reaccesses, covered_ratio (of re-accesses),
     covered_bytes_ratio (of re-accessed bytes), pinned_mean_bytes, pinned_peak_bytes,
     lru_hit_ratio_bytes_at_peak (exact LRU byte hit ratio with pinned_peak_bytes of capacity),
     ttl_hit_ratio_bytes (covered re-access bytes over all accessed bytes, to compare with it).
-    ``stream``: the scenario's access stream when the caller already built it.
+    ``stream``: the scenario's access stream when the caller already built it; ``curves``: its
+    figures (analyzers/stream_summary.py) for ``ttls_s``, when the caller has them. When every
+    access has one size they come from the stream's stack and counts (what a stream continued from
+    a saved state keeps): byte-nanoseconds summed exactly as integers.
     """
     acc = stream or access_stream(request_blocks, scenario, bytes_per_token)
+    if curves is None:
+        curves = requests_curves(acc, rate=None, ttls_s=tuple(ttls_s))
+    if curves is not None:
+        return _counted_rows(curves, scenario, sorted(ttls_s))
     ts = acc.frame["ts_ns"].to_numpy().astype(np.int64)
     sizes, d = acc.sizes, acc.distances
     re = d.reaccess
@@ -210,9 +218,35 @@ def ttl_coverage(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: in
         rows.append({
             "scenario": scenario, "ttl_s": float(ttl), "reaccesses": reaccesses,
             "covered_reaccesses": int(cov.sum()), "covered_ratio": float(cov.mean()) if cov.size else 0.0,
-            "covered_bytes_ratio": float(covered / max(1, re_total)),
+            "covered_bytes_ratio": float(covered / (re_total if re_total > 0 else np.int64(1))),
             "pinned_mean_bytes": mean, "pinned_peak_bytes": peak,
             "lru_hit_ratio_bytes_at_peak": float(lru_hit),
+            "ttl_hit_ratio_bytes": float(covered / total),
+        })
+    return pl.DataFrame(rows).sort("ttl_s")
+
+
+def _counted_rows(curves: Curves, scenario: str, ttls: list[float]) -> pl.DataFrame:
+    """ttl_coverage's rows from a stream's figures (every access ``curves.size`` bytes)."""
+    by_ttl: dict[int, TtlRow] = {row.ttl_ns: row for row in curves.ttl}
+    size = np.int64(curves.size)
+    reaccesses = int(curves.exact.sum())
+    total, re_total = np.int64(curves.accesses) * size, np.int64(reaccesses) * size
+    hits = np.cumsum(curves.exact)  # re-accesses at distance up to d blocks
+    rows = []
+    for ttl in ttls:
+        row = by_ttl[int(ttl * _NS_PER_S)]
+        covered = np.int64(row.covered) * size
+        # an LRU of ``peak`` bytes hits the re-accesses whose distance is at most that
+        within = min(row.peak // int(size), hits.shape[0] - 1) if size else hits.shape[0] - 1
+        lru = np.int64(hits[within] if within >= 0 else 0) * size
+        rows.append({
+            "scenario": scenario, "ttl_s": float(ttl), "reaccesses": reaccesses,
+            "covered_reaccesses": row.covered,
+            "covered_ratio": row.covered / reaccesses if reaccesses else 0.0,
+            "covered_bytes_ratio": float(covered / (re_total if re_total > 0 else np.int64(1))),
+            "pinned_mean_bytes": row.held / row.span_ns, "pinned_peak_bytes": float(row.peak),
+            "lru_hit_ratio_bytes_at_peak": float(lru / total),
             "ttl_hit_ratio_bytes": float(covered / total),
         })
     return pl.DataFrame(rows).sort("ttl_s")

@@ -38,12 +38,13 @@ from kvlens.analyzers.reuse import (
     Distances,
     _factorize,
     _fw_prefix,
-    _mix64,
     _stack_push,
     _stack_take,
     access_stream,
+    key_hashes,
     reuse_distances,
 )
+from kvlens.analyzers.stream_summary import Curves, requests_curves, sample_threshold
 from kvlens.schema import MRC
 
 __all__ = [
@@ -104,12 +105,7 @@ def _histogram(d: Distances, sizes_arr: np.ndarray) -> ReuseHistogram:
                           float(sizes_arr.shape[0]), float(sizes_arr.sum()))
 
 
-@numba.njit(cache=True)
-def _key_hashes(keys: np.ndarray, seed: np.uint64) -> np.ndarray:
-    out = np.empty(keys.shape[0], np.uint64)
-    for i in range(keys.shape[0]):
-        out[i] = _mix64(keys[i] ^ seed)
-    return out
+_key_hashes = key_hashes  # (reuse.py's: the requests summary samples the same keys)
 
 
 def _scaled(d: ReuseHistogram, rate: float) -> tuple[np.ndarray, np.ndarray]:
@@ -135,9 +131,8 @@ def shards_histogram(keys: np.ndarray, sizes: np.ndarray | int = 1, *, rate: flo
     hashes = _key_hashes(keys, np.uint64(seed))
     n, total_bytes = float(keys.shape[0]), float(sizes_arr.sum())
     if rate is not None:
-        if not 0.0 < rate <= 1.0:
-            raise ValueError(f"rate must be in (0, 1], got {rate}")
-        picked = hashes < np.uint64(min(int(rate * _TWO64), 2**64 - 1)) if rate < 1.0 else slice(None)
+        below = sample_threshold(rate)
+        picked = hashes < below if below is not None else slice(None)
         h = exact_histogram(keys[picked], sizes_arr[picked])
         blocks, byts = _scaled(h, rate)
         return _adjusted(blocks, byts, h.weight / rate, h.weight_bytes / rate, n, total_bytes,
@@ -154,6 +149,29 @@ def shards_histogram(keys: np.ndarray, sizes: np.ndarray | int = 1, *, rate: flo
     r = rec[:count]
     return _adjusted(r[:, 0].copy(), r[:, 1].copy(), r[:, 2].copy(), r[:, 3].copy(),
                      n, total_bytes, sw, swb, adjust)
+
+
+def counted_histogram(counts: np.ndarray, size: int, accesses: int) -> ReuseHistogram:
+    """The exact histogram of a stream of ``accesses`` accesses of ``size`` bytes each, whose
+    re-accesses are ``counts[d]`` at each distance d in blocks: one record per distance, weighing
+    its count (a curve sums the weights: the same sums as a record per re-access)."""
+    at = np.flatnonzero(counts)
+    n = counts[at]
+    return ReuseHistogram(at.astype(np.float64), (at * size).astype(np.float64), n.astype(np.float64),
+                          (n * size).astype(np.float64), float(accesses), float(accesses * size))
+
+
+def counted_shards(counts: np.ndarray, size: int, accesses: int, sampled_accesses: int,
+                   rate: float) -> ReuseHistogram:
+    """SHARDS fixed-rate with adj (``shards_histogram``) from the sample's re-accesses per
+    distance (``counts``, distances within the sample) and its accesses, in a stream of
+    ``accesses`` accesses of ``size`` bytes each."""
+    at = np.flatnonzero(counts)
+    n = counts[at].astype(np.float64)
+    d = at.astype(np.float64)
+    return _adjusted((d - 1.0) / rate + 1.0, (d * size - size) / rate + size, n / rate, n * size / rate,
+                     float(accesses), float(accesses * size), sampled_accesses / rate,
+                     sampled_accesses * size / rate, True)
 
 
 @numba.njit(cache=True)
@@ -326,7 +344,7 @@ def _rows(hist: ReuseHistogram, method: str, block_bytes: int) -> pl.DataFrame:
 
 def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenario: str,
         sample_rate: float | None = None, stream: AccessStream | None = None,
-        partitions: Partitions | None = None) -> pl.DataFrame:
+        partitions: Partitions | None = None, curves: Curves | None = None) -> pl.DataFrame:
     """Rows of table `mrc` for the `requests` stream, sorted by method, capacity_bytes.
 
     Columns: scenario, stream, method (exact | shards), capacity_blocks, capacity_bytes,
@@ -343,21 +361,38 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
     that is at most 2,000 blocks; otherwise a 200-point log grid plus that saturation point.
     Each value is exact at its capacity (the curve is a step function between them).
     ``sample_rate`` adds SHARDS_adj fixed-rate rows (method shards) on the same kind of grid.
-    ``stream``: the scenario's access stream when the caller already built it. ``partitions``
+    ``stream``: the scenario's access stream when the caller already built it; ``curves``: its
+    figures (analyzers/stream_summary.py), when the caller has them, for ``sample_rate``. When every
+    access has one size the curves are summed from counts per distance (the same sums), which a
+    stream continued from a saved state keeps (``partitions`` needs the whole stream). ``partitions``
     (K of them) adds rows of method ``partitioned``: the curve merged from K block-hash
     partitions, each an exact histogram of its keys scaled as a rate-1/K sample
     (``partition_histograms``: what K workers compute without sharing memory; exactly the exact
     curve when K = 1), on the exact rows' grid.
     """
     acc = stream or access_stream(request_blocks, scenario, bytes_per_token)
+    if curves is None and (partitions is None or acc.stack is None):
+        curves = requests_curves(acc, rate=sample_rate, ttls_s=())
     rs, sizes = acc.frame, acc.sizes
-    keys = rs["block_hash"].to_numpy()
-    full = _block_size(request_blocks) or int(rs["block_tokens"].to_numpy().max())
+    full = _block_size(request_blocks) or (curves.tokens if curves is not None
+                                           else int(rs["block_tokens"].to_numpy().max()))
     block_bytes = max(1, full * bytes_per_token)
-    parts = [_rows(_histogram(acc.distances, sizes), "exact", block_bytes)]
-    if sample_rate is not None:
-        parts.append(_rows(shards_histogram(keys, sizes, rate=sample_rate), "shards", block_bytes))
+    if curves is not None:
+        if curves.rate != sample_rate:
+            raise ValueError(f"the curves were summed at sample rate {curves.rate}, not {sample_rate}")
+        parts = [_rows(counted_histogram(curves.exact, curves.size, curves.accesses), "exact", block_bytes)]
+        if sample_rate is not None and curves.sampled is not None:
+            parts.append(_rows(counted_shards(curves.sampled, curves.size, curves.accesses,
+                                              curves.sampled_accesses, sample_rate), "shards", block_bytes))
+    else:
+        parts = [_rows(_histogram(acc.distances, sizes), "exact", block_bytes)]
+        if sample_rate is not None:
+            parts.append(_rows(shards_histogram(rs["block_hash"].to_numpy(), sizes, rate=sample_rate),
+                               "shards", block_bytes))
     if partitions is not None:
+        if acc.stack is not None:
+            raise ValueError("the partitioned curve needs the whole stream (access_stream without a state)")
+        keys = rs["block_hash"].to_numpy()
         count = partitions.for_rows(len(keys))
         merged = merge(*partition_histograms(keys, sizes, partitions=count, run=partitions.run))
         grid = parts[0]["capacity_blocks"].to_numpy()

@@ -28,9 +28,12 @@ with a quarter of the memory.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import duckdb
 import numba
@@ -70,6 +73,15 @@ def _mix64(x: np.uint64) -> np.uint64:
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return x ^ (x >> np.uint64(31))
+
+
+@numba.njit(cache=True)
+def key_hashes(keys: np.ndarray, seed: np.uint64) -> np.ndarray:
+    """Each key's SHARDS hash (``mix64(key ^ seed)``): a key is sampled at rate R below R·2^64."""
+    out = np.empty(keys.shape[0], np.uint64)
+    for i in range(keys.shape[0]):
+        out[i] = _mix64(keys[i] ^ seed)
+    return out
 
 
 @numba.njit(cache=True)
@@ -348,8 +360,8 @@ _FULL_BLOCK = "block_tokens IS NOT NULL AND block_tokens = coalesce(block_size_t
 
 
 def request_stream(request_blocks: duckdb.DuckDBPyRelation,
-                   requests: duckdb.DuckDBPyRelation | None = None, prior: pl.DataFrame | None = None,
-                   since_ns: int | None = None, unchanged_before: int | None = None) -> pl.DataFrame:
+                   requests: duckdb.DuckDBPyRelation | None = None,
+                   since_ns: int | None = None) -> pl.DataFrame:
     """The `requests` stream: ts_ns, position, block_hash, block_tokens, replica, in access order.
 
     The prefix-cache stream: the **full** blocks of the scenario's request_blocks only. A partial
@@ -357,23 +369,14 @@ def request_stream(request_blocks: duckdb.DuckDBPyRelation,
     only: ``vllm/v1/core/kv_cache_utils.py`` ``get_request_block_hasher`` stops at the last full
     block, "We only hash full blocks"), so it never enters a cache, a reuse distance or a curve.
     Order: arrival_ns, then request_id (ties in arrival keep a stable order), then position.
-
-    ``prior``: the stream's accesses that arrived before ``since_ns``, as an earlier read of the
-    same lake gave them (a ReuseState's ``stream``): when the lake holds as many of them still (no
-    row before a checkpoint can arrive later: ``kvlens analyze`` rebuilds on a late segment), only
-    the rows from ``since_ns`` on are read, and they follow ``prior`` in the order above.
-    ``unchanged_before``: a time before which the lake holds the rows it held when ``prior`` was
-    read (analyzers/incremental.py, ``new_rows_from``): with ``since_ns`` at or before it, the count
-    is not read again.
+    ``since_ns``: only the accesses that arrived from then on (and those without an arrival time),
+    and only their requests' replicas are read.
     """
     full = request_blocks.filter(_FULL_BLOCK)
-    if prior is not None and since_ns is not None and requests is not None and (
-            still_counted(unchanged_before, since_ns)
-            or full.filter(f"arrival_ns < {int(since_ns)}").aggregate("count(*)").fetchall()
-            == [(prior.height,)]):
-        tail = _stream_rows(full.filter(f"arrival_ns >= {int(since_ns)} OR arrival_ns IS NULL"), requests)
-        return pl.concat([prior.select(tail.columns).cast(tail.schema), tail])
-    return _stream_rows(full, requests)
+    if since_ns is None:
+        return _stream_rows(full, requests)
+    recent = f"arrival_ns >= {int(since_ns)} OR arrival_ns IS NULL"
+    return _stream_rows(full.filter(recent), requests.filter(recent) if requests is not None else None)
 
 
 def _stream_rows(full: duckdb.DuckDBPyRelation, requests: duckdb.DuckDBPyRelation | None) -> pl.DataFrame:
@@ -481,27 +484,121 @@ def _last_accesses(keys: np.ndarray, sizes: np.ndarray, ts: pl.Series, prev: np.
 
 
 @dataclass(frozen=True)
+class Summary:
+    """What the `requests` stream's curves and TTL table keep of its accesses before a checkpoint
+    when every access has one size (analyzers/stream_summary.py says why it is exact): beside the
+    stream's stack in the reuse state."""
+
+    tokens: int  # every access's block_tokens
+    size: int  # and bytes
+    accesses: int  # the accesses before the checkpoint
+    first_ns: int | None  # the first one's time (None: none yet)
+    exact: np.ndarray  # int64: their re-accesses per distance in blocks (the index)
+    sampled: np.ndarray  # int64: the same in the SHARDS sample at ``rate`` (empty without one)
+    sampled_accesses: int
+    rate: float | None
+    ttls_ns: tuple[int, ...]
+    # per TTL: re-accesses covered; byte-nanoseconds (exact), latest end, peak of the settled residencies
+    covered: tuple[int, ...]
+    held: tuple[int, ...]
+    last_stop: tuple[int, ...]
+    peak: tuple[int, ...]
+
+    def head(self) -> dict[str, Any]:
+        return {"tokens": self.tokens, "size": self.size, "accesses": self.accesses,
+                "first_ns": self.first_ns,
+                "sampled_accesses": self.sampled_accesses, "rate": self.rate, "ttls_ns": list(self.ttls_ns),
+                "covered": list(self.covered), "held": [str(h) for h in self.held],
+                "last_stop": list(self.last_stop), "peak": list(self.peak)}
+
+    @classmethod
+    def of(cls, head: dict[str, Any], exact: pl.DataFrame, sampled: pl.DataFrame) -> Summary:
+        def ints(key: str) -> tuple[int, ...]:
+            return tuple(int(x) for x in head[key])  # (``held`` is written as text: past 64 bits)
+        return cls(int(head["tokens"]), int(head["size"]), int(head["accesses"]),
+                   None if head["first_ns"] is None else int(head["first_ns"]),
+                   exact["n"].to_numpy().astype(np.int64), sampled["n"].to_numpy().astype(np.int64),
+                   int(head["sampled_accesses"]), None if head["rate"] is None else float(head["rate"]),
+                   ints("ttls_ns"), ints("covered"), ints("held"), ints("last_stop"), ints("peak"))
+
+
+@dataclass(frozen=True)
 class AccessStream:
-    """A scenario's `requests` stream with its exact reuse distances: built once, read by
-    reuse, mrc and ttl_coverage."""
+    """A scenario's `requests` stream with its exact reuse distances: built once, read by reuse,
+    mrc and ttl_coverage. Either the whole stream, or (``stack`` given: continued from a reuse
+    state) its accesses from ``since`` on, whose distances follow the stream's LRU stack there
+    (each key once, at its last access before it), replayed first."""
 
     frame: pl.DataFrame  # request_stream's columns, in access order
-    sizes: np.ndarray  # int64 bytes per access
-    distances: Distances
+    sizes: np.ndarray  # int64 bytes per access of ``frame``
+    distances: Distances  # of the stack's keys, then ``frame``'s accesses
+    stack: pl.DataFrame | None = None  # block_hash, size, ts_ns: the stack at ``since``
+    summary: Summary | None = None  # what the curves keep of the accesses before ``since``
+    since: int | None = None
+
+    @property
+    def head(self) -> int:
+        """Accesses of the stack replayed before ``frame``'s (0: the stream is whole)."""
+        return 0 if self.stack is None else self.stack.height
+
+    @property
+    def before(self) -> int:
+        """The stream's accesses before ``frame``'s first."""
+        return 0 if self.summary is None else self.summary.accesses
+
+    def keys(self) -> np.ndarray:
+        """Block hashes (uint64) of the stack's accesses, then ``frame``'s."""
+        keys = self.frame["block_hash"].to_numpy()
+        return keys if self.stack is None else np.concatenate([self.stack["block_hash"].to_numpy(), keys])
+
+    def times(self) -> np.ndarray:
+        """Their times (int64; a whole stream's access without one: use ``frame``)."""
+        ts = self.frame["ts_ns"].cast(pl.Int64).to_numpy()
+        return ts if self.stack is None else np.concatenate([self.stack["ts_ns"].to_numpy(), ts])
+
+    def ts_series(self) -> pl.Series:
+        ts = self.frame["ts_ns"].cast(pl.Int64)
+        return ts if self.stack is None else pl.concat([self.stack["ts_ns"].cast(pl.Int64), ts])
 
 
 def access_stream(request_blocks: duckdb.DuckDBPyRelation, scenario: str, bytes_per_token: int,
                   requests: duckdb.DuckDBPyRelation | None = None,
                   prior: ReuseState | None = None, unchanged_before: int | None = None) -> AccessStream:
     """The `requests` stream of ``scenario``'s rows and its distances; NoDataError when it is empty.
-    ``prior``: a saved reuse state, whose accesses before its checkpoint are not read again
-    (``unchanged_before``: see ``request_stream``)."""
-    rs = request_stream(request_blocks, requests, prior.stream if prior is not None else None,
-                        prior.checkpoint_ns if prior is not None else None, unchanged_before)
+
+    ``prior``: a saved reuse state. When it kept the stream's stack and summary (every access of
+    one size), the lake still holds as many accesses before its checkpoint (no row before a
+    checkpoint can arrive later: ``kvlens analyze`` rebuilds on a late segment; with
+    ``unchanged_before`` at or after the checkpoint, a time before which the lake holds the rows it
+    held when the state was saved (analyzers/incremental.py ``new_rows_from``), that count is not
+    read again), and the newer accesses are stamped and of that size too, only those are read and
+    the stack is replayed before them. Otherwise the stream is read whole."""
+    since = prior.checkpoint_ns if prior is not None else None
+    if (prior is not None and prior.summary is not None and requests is not None
+            and prior.bytes_per_token == bytes_per_token
+            and (still_counted(unchanged_before, prior.checkpoint_ns)
+                 or request_blocks.filter(f"({_FULL_BLOCK}) AND arrival_ns < {int(prior.checkpoint_ns)}")
+                 .aggregate("count(*)").fetchall() == [(prior.summary.accesses,)])):
+        rs = request_stream(request_blocks, requests, since)
+        tokens = rs["block_tokens"]
+        one_size = rs.height == 0 or tokens.min() == tokens.max() == prior.summary.tokens
+        if one_size and not rs["ts_ns"].null_count():
+            stack = prior.by_stream().get("requests", prior.stacks.clear())
+            if stack.height + rs.height == 0:
+                raise _no_stream(scenario)
+            sizes = tokens.to_numpy().astype(np.int64) * bytes_per_token
+            keys = np.concatenate([stack["block_hash"].to_numpy(), rs["block_hash"].to_numpy()])
+            d = reuse_distances(keys, prior.summary.size, distinct_head=stack.height)
+            return AccessStream(rs, sizes, d, stack, prior.summary, since)
+    rs = request_stream(request_blocks, requests)
     if rs.height == 0:
-        raise NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
+        raise _no_stream(scenario)
     sizes = rs["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
     return AccessStream(rs, sizes, reuse_distances(rs["block_hash"].to_numpy(), sizes))
+
+
+def _no_stream(scenario: str) -> NoDataError:
+    return NoDataError(f"scenario {scenario!r} has no request_blocks rows: import a trace into it first")
 
 
 def reuse(*, request_blocks: duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPyRelation | None = None,
@@ -541,9 +638,10 @@ class ReuseState:
     No access stamped before the checkpoint can still arrive (``kvlens analyze`` rebuilds on a late
     segment), so every row before it is final and stays in the analysis DB; the next run replaces
     the rows from the checkpoint on. Every replica and event stream keeps its LRU stack
-    (``_resumed``). The ``requests`` stream's distances are computed whole every run (mrc and
-    ttl_coverage read them all), so it keeps its accesses before the checkpoint instead (``stream``:
-    the next run reads only the newer ones from the lake)."""
+    (``_resumed``), the ``requests`` stream too when every access has one size, with what mrc and
+    ttl_coverage keep of its accesses before the checkpoint (``summary``,
+    analyzers/stream_summary.py): the next run reads only the newer ones from the lake. (A stream
+    of several sizes keeps neither and is read whole again.)"""
 
     checkpoint_ns: int
     bytes_per_token: int
@@ -559,7 +657,7 @@ class ReuseState:
     roots: pl.DataFrame  # block_hash: the chain roots (position 0) of the whole stream when saved
     streams: tuple[tuple[str, int], ...] = ()  # (stream, its stack's rows), in the order of ``stacks``
     kept_rows: int = 0  # read back with the rows of table reuse before the checkpoint (not saved)
-    stream: pl.DataFrame | None = None  # the `requests` stream's accesses before the checkpoint
+    summary: Summary | None = None  # the `requests` stream's, beside its stack (stream ``requests``)
 
     def __post_init__(self) -> None:
         names = [name for name, _ in self.streams]
@@ -569,19 +667,38 @@ class ReuseState:
 
     def to_bytes(self) -> bytes:
         frames = {"tokens": self.tokens, "stacks": self.stacks, "roots": self.roots}
-        if self.stream is not None:
-            frames["stream"] = self.stream
-        return pack({"checkpoint_ns": self.checkpoint_ns, "bytes_per_token": self.bytes_per_token,
-                     "accesses": self.accesses, "events": self.events, "unfilled": self.unfilled,
-                     "fill_tokens": self.fill_tokens, "streams": [list(s) for s in self.streams]}, frames)
+        head: dict[str, object] = {
+            "checkpoint_ns": self.checkpoint_ns, "bytes_per_token": self.bytes_per_token,
+            "accesses": self.accesses, "events": self.events, "unfilled": self.unfilled,
+            "fill_tokens": self.fill_tokens, "streams": [list(s) for s in self.streams], "summary": None}
+        if self.summary is not None:
+            head["summary"] = self.summary.head()
+            frames["exact"] = pl.DataFrame({"n": self.summary.exact}, schema={"n": pl.Int64})
+            frames["sampled"] = pl.DataFrame({"n": self.summary.sampled}, schema={"n": pl.Int64})
+        return pack(head, frames)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> ReuseState:
         head, frames = unpack(data)
+        summary = None if head["summary"] is None else Summary.of(head["summary"], frames["exact"],
+                                                                    frames["sampled"])
         return cls(int(head["checkpoint_ns"]), int(head["bytes_per_token"]), int(head["accesses"]),
                    int(head["events"]), int(head["unfilled"]), int(head["fill_tokens"]), frames["tokens"],
                    frames["stacks"], frames["roots"],
-                   tuple((str(name), int(n)) for name, n in head["streams"]), stream=frames.get("stream"))
+                   tuple((str(name), int(n)) for name, n in head["streams"]), summary=summary)
+
+    def with_requests(self, stack: pl.DataFrame | None, summary: Summary | None) -> ReuseState:
+        """This state with the `requests` stream's stack and summary at its checkpoint (None: the
+        stream has several sizes, and keeps neither)."""
+        streams = [(name, n) for name, n in self.streams if name != "requests"]
+        kept = self.by_stream()
+        frames = [kept[name] for name, _ in streams]
+        if stack is not None and summary is not None and stack.height:
+            streams.append(("requests", stack.height))
+            frames.append(stack.cast(self.stacks.schema))
+        stacks = pl.concat(frames) if frames else self.stacks.clear()
+        return dataclasses.replace(self, stacks=stacks, streams=tuple(streams),
+                                   summary=summary if stack is not None else None)
 
     def by_stream(self) -> dict[str, pl.DataFrame]:
         """Each stream's stack (block_hash, size, ts_ns), by name."""
@@ -600,6 +717,7 @@ class Reused:
     state: ReuseState | None = None
     since: int | None = None
     refused: str | None = None
+    stream: AccessStream | None = None  # the `requests` stream the rows came from (mrc and TTL read it)
 
 
 class _CannotContinue(Exception):
@@ -608,29 +726,40 @@ class _CannotContinue(Exception):
 
 def reuse_continued(*, kv_events: duckdb.DuckDBPyRelation | None, bytes_per_token: int, scenario: str,
                     stream: AccessStream, resume: ReuseState | None = None,
-                    checkpoint_ns: int | None = None, events_unchanged_before: int | None = None) -> Reused:
+                    checkpoint_ns: int | None = None, events_unchanged_before: int | None = None,
+                    earlier: duckdb.DuckDBPyRelation | pl.DataFrame | None = None,
+                    whole: Callable[[], AccessStream] | None = None) -> Reused:
     """``reuse``'s rows, continued from ``resume`` when it can be (else all of them, with why not),
     and with the state at ``checkpoint_ns`` when given. Continuing gives the rows a replay of the
     whole lake gives (``_resumed``); the caller keeps the rows before ``resume``'s checkpoint.
     ``events_unchanged_before``: a time before which ``kv_events`` holds the rows it held when
-    ``resume`` was saved (``request_stream``'s ``unchanged_before``)."""
+    ``resume`` was saved (``request_stream``'s ``unchanged_before``).
+
+    A ``stream`` read from ``resume``'s stack (``access_stream``) holds only the accesses after
+    the checkpoint: ``earlier`` gives the table's rows of the scenario before it (a chain root new
+    since then gets group rows for its earlier `requests` rows), and ``whole`` reads the whole
+    stream for a run that cannot continue."""
     refused = None
     if resume is not None:
         try:
             return _continue(resume, kv_events, bytes_per_token, scenario, stream, checkpoint_ns,
-                             events_unchanged_before)
+                             events_unchanged_before, earlier)
         except _CannotContinue as e:
             refused = str(e)
             log.info("scenario %s: reuse computed in full: %s", scenario, refused)
+    if stream.stack is not None:
+        if whole is None:
+            raise ValueError("a stream continued from a state needs the whole one to compute reuse in full")
+        stream = whole()
     ev = _stored_events(kv_events) if kv_events is not None else None
     fill = _fill_tokens(_token_counts(ev)) if ev is not None else 0
     parts, stacks, roots = _streams(stream, 0, ev, fill, None, bytes_per_token, checkpoint_ns)
     rows = sum(p.height for p in parts)
     if rows > MAX_REUSE_ROWS:
         log.warning("reuse: %d rows over %d; keeping only the requests stream", rows, MAX_REUSE_ROWS)
-        return Reused(_sorted(parts[:1], scenario), None, None, refused)
+        return Reused(_sorted(parts[:1], scenario), None, None, refused, stream)
     state = _state(None, stream, ev, fill, stacks, roots, bytes_per_token, checkpoint_ns)
-    return Reused(_sorted(parts, scenario), state, None, refused)
+    return Reused(_sorted(parts, scenario), state, None, refused, stream)
 
 
 def _sorted(parts: list[pl.DataFrame], scenario: str) -> pl.DataFrame:
@@ -639,25 +768,36 @@ def _sorted(parts: list[pl.DataFrame], scenario: str) -> pl.DataFrame:
 
 
 def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, prior: ReuseState | None,
-             bytes_per_token: int, cut_ns: int | None
+             bytes_per_token: int, cut_ns: int | None,
+             earlier: duckdb.DuckDBPyRelation | pl.DataFrame | None = None
              ) -> tuple[list[pl.DataFrame], list[tuple[str, pl.DataFrame]], np.ndarray]:
-    """Every stream's rows for the `requests` accesses from ``start`` on and the stored events
-    ``ev`` (those after ``prior``'s stacks; ``fill`` for their missing sizes); each replica and event
-    stream's stack before ``cut_ns``; and the chain roots the whole stream has (the `requests`
-    stream first in the rows, then its group rows: those before ``start`` are the ones whose root
-    is new since ``prior``)."""
+    """Every stream's rows for the `requests` accesses of ``acc.frame`` from ``start`` on and the
+    stored events ``ev`` (those after ``prior``'s stacks; ``fill`` for their missing sizes); each
+    replica and event stream's stack before ``cut_ns``; and the chain roots the whole stream has
+    (the `requests` stream first in the rows, then its group rows: those before the new accesses
+    are the ones whose root is new since ``prior``: from the whole stream's distances, or, for a
+    stream continued from ``prior``'s stack, from ``earlier``, the table's rows before it)."""
     rs = acc.frame
-    keys, ts, d = rs["block_hash"].to_numpy(), rs["ts_ns"], acc.distances
-    base = _rows_at("requests", keys, ts, d, _reaccesses(d, start))
-    roots = np.unique(rs.filter(pl.col("position") == 0)["block_hash"].to_numpy())
+    keys, ts, d = acc.keys(), acc.ts_series(), acc.distances
+    first = acc.head + start  # the first new access, in the distances' order
+    base = _rows_at("requests", keys, ts, d, _reaccesses(d, first))
+    here = rs.slice(start).filter(pl.col("position") == 0)["block_hash"].to_numpy()
+    if acc.stack is not None and prior is not None:
+        roots = np.union1d(prior.roots["block_hash"].to_numpy(), here)
+    else:
+        roots = np.unique(rs.filter(pl.col("position") == 0)["block_hash"].to_numpy())
     group = [base.filter(pl.col("block_hash").is_in(pl.Series(roots).implode()))]
-    if prior is not None and start:  # a root new since the state makes groups of earlier re-accesses
+    if prior is not None and first:  # a root new since the state makes groups of earlier re-accesses
         new = np.setdiff1d(roots, prior.roots["block_hash"].to_numpy())
-        before = np.flatnonzero((d.prev[:start] >= 0) & np.isin(keys[:start], new))
-        group.insert(0, _rows_at("requests", keys, ts, d, before))
+        if acc.stack is not None:
+            group.insert(0, _earlier_rows(earlier, new, prior.checkpoint_ns))
+        else:
+            before = np.flatnonzero((d.prev[:start] >= 0) & np.isin(keys[:start], new))
+            group.insert(0, _rows_at("requests", keys, ts, d, before))
     parts = [base, *(g.with_columns(stream=pl.format("group:{}", pl.col("block_hash"))) for g in group)]
     stacks: list[tuple[str, pl.DataFrame]] = []
     saved = prior.by_stream() if prior is not None else {}
+    saved.pop("requests", None)  # (the `requests` stream's: analyzers/stream_summary.py keeps it)
     named = []
     tail = rs.slice(start).filter(pl.col("replica").is_not_null())
     for (name,), f in tail.group_by("replica", maintain_order=True):
@@ -678,6 +818,27 @@ def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, 
     return parts, stacks, roots
 
 
+def _earlier_rows(earlier: duckdb.DuckDBPyRelation | pl.DataFrame | None, keys: np.ndarray,
+                  before_ns: int) -> pl.DataFrame:
+    """The `requests` stream's rows of table `reuse` stamped before ``before_ns`` whose block is one
+    of ``keys``, as ``_rows_at`` gives them."""
+    columns = ["stream", "block_hash", "ts_ns", "distance_blocks", "distance_bytes", "interval_ns"]
+    schema = {"stream": pl.String, "block_hash": pl.UInt64, "ts_ns": pl.Int64, "distance_blocks": pl.Int64,
+              "distance_bytes": pl.Int64, "interval_ns": pl.Int64}
+    if keys.shape[0] == 0:
+        return pl.DataFrame(schema=schema)
+    if earlier is None:
+        raise _CannotContinue("the rows before its checkpoint are not given")
+    if isinstance(earlier, pl.DataFrame):
+        rows = earlier.filter((pl.col("stream") == "requests") & (pl.col("ts_ns") < before_ns)
+                              & pl.col("block_hash").is_in(pl.Series(keys, dtype=pl.UInt64).implode()))
+    else:
+        listed = ", ".join(str(int(k)) for k in keys.astype(np.uint64))
+        rows = earlier.filter(f"stream = 'requests' AND ts_ns < {int(before_ns)} AND block_hash IN ({listed})"
+                              ).project(", ".join(columns)).pl()
+    return rows.select(columns).cast(schema)  # type: ignore[arg-type]
+
+
 def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None, fill: int,
            stacks: list[tuple[str, pl.DataFrame]], roots: np.ndarray, bytes_per_token: int,
            cut_ns: int | None) -> ReuseState | None:
@@ -695,10 +856,9 @@ def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None,
                   .sort("block_tokens"))
     schema = pl.Schema({"block_hash": pl.UInt64, "size": pl.Int64, "ts_ns": pl.Int64})
     kept = [(name, s) for name, s in stacks if s.height]  # (a stream with none before the cut has none)
-    accesses = int((ts < cut_ns).sum())
     return ReuseState(
         checkpoint_ns=cut_ns, bytes_per_token=bytes_per_token,
-        accesses=accesses, stream=acc.frame.head(accesses),  # in time order: those before the cut
+        accesses=acc.before + int((ts < cut_ns).sum()),
         events=(prior.events if prior else 0) + settled_ev.height,
         unfilled=(prior.unfilled if prior else 0) + settled_ev["block_tokens"].null_count(),
         fill_tokens=fill, tokens=tokens,
@@ -708,7 +868,8 @@ def _state(prior: ReuseState | None, acc: AccessStream, ev: pl.DataFrame | None,
 
 
 def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, bytes_per_token: int,
-              scenario: str, acc: AccessStream, cut_ns: int | None, unchanged_before: int | None) -> Reused:
+              scenario: str, acc: AccessStream, cut_ns: int | None, unchanged_before: int | None,
+              earlier: duckdb.DuckDBPyRelation | pl.DataFrame | None = None) -> Reused:
     """The rows from ``resume``'s checkpoint on (see ``Reused``); _CannotContinue when the lake
     before the checkpoint is not the one it saw, or a missing event size would now count another."""
     t = resume.checkpoint_ns
@@ -717,10 +878,15 @@ def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, byt
     ts = acc.frame["ts_ns"]
     if ts.null_count():
         raise _CannotContinue("a request has no arrival time")
-    start = int((ts < t).sum())
-    if start != resume.accesses:
-        raise _CannotContinue(f"{start:,} accesses before the checkpoint, the state counted "
-                              f"{resume.accesses:,}")
+    if acc.stack is not None:  # read from the state's stack: access_stream counted the accesses before it
+        if acc.since != t:
+            raise _CannotContinue("the stream was read from another checkpoint")
+        start = 0
+    else:
+        start = int((ts < t).sum())
+        if start != resume.accesses:
+            raise _CannotContinue(f"{start:,} accesses before the checkpoint, the state counted "
+                                  f"{resume.accesses:,}")
     if cut_ns is not None and cut_ns < t:
         raise _CannotContinue("the new checkpoint is before the state's")
     ev = None
@@ -738,9 +904,9 @@ def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, byt
     if fill != resume.fill_tokens and resume.unfilled:
         raise _CannotContinue(f"events without block_tokens now count {fill} tokens, not "
                               f"{resume.fill_tokens}")
-    parts, stacks, roots = _streams(acc, start, ev, fill, resume, bytes_per_token, cut_ns)
+    parts, stacks, roots = _streams(acc, start, ev, fill, resume, bytes_per_token, cut_ns, earlier)
     rows = sum(p.height for p in parts)
     if resume.kept_rows + rows > MAX_REUSE_ROWS:
         raise _CannotContinue(f"{resume.kept_rows + rows:,} rows would pass {MAX_REUSE_ROWS:,}")
     state = _state(resume, acc, ev, fill, stacks, roots, bytes_per_token, cut_ns)
-    return Reused(_sorted(parts, scenario), state, t)
+    return Reused(_sorted(parts, scenario), state, t, None, acc)

@@ -1,0 +1,286 @@
+"""Analyzers: the `requests` stream's curves and TTL table from its LRU stack and a summary of the
+accesses before a checkpoint, not from every access the scenario ever had (issue 16).
+
+mrc's curves and ttl_coverage read the whole `requests` stream (analyzers/reuse.py
+``request_stream``): a continued analysis that read its history again and computed its distances
+again would cost what the lake's age costs. When every access has one size (every full block has
+the scenario's block size: the usual case), what they need of the accesses before a checkpoint is
+small, and exact:
+
+- **the stream's LRU stack** there (each key once, at its last access), replayed before the
+  accesses after it: each of those gets the distance, interval and previous access a replay of
+  the whole stream gives (``reuse._resumed`` says why). The reuse state keeps it beside every
+  replica's stack.
+- **the exact histogram** of the re-accesses before it: a count per distance in blocks. A curve
+  sums counts (``mrc.curve``), and the sum of the counts is the sum of the re-accesses.
+- **the same of the SHARDS sample**: the sample's keys are the stack's sampled keys, in order, so
+  their stack is the stack's sampled rows.
+- **per TTL** (``Summary.ttls_ns``): the re-accesses it covers; of the bytes a TTL cache holds
+  (each access keeps its block until the first of its time + TTL, its key's next access, the
+  end), the byte-nanoseconds of the residencies settled before the checkpoint (their key's next
+  access came before it), summed exactly as integers; the latest of their ends; and the peak held
+  just after each access before it. The residencies the stack's accesses opened are still open:
+  they are computed again, with the new accesses, from the stack (their key's next access, their
+  expiry or the end decide them).
+
+A full computation is a continuation from no summary: one code takes both (``requests_curves``),
+so a continued table equals a full one exactly, integer sums and the same float divisions. A
+stream with more than one size is computed whole, by mrc.py's and capacity.py's per-record code,
+and keeps no summary (its next analysis reads it whole again).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numba
+import numpy as np
+import polars as pl
+
+from kvlens.analyzers.reuse import AccessStream, Summary, _last_accesses, key_hashes, reuse_distances
+
+__all__ = ["Curves", "TtlRow", "exact_sum", "requests_curves", "sample_threshold"]
+
+_TWO64 = 2.0**64
+_NONE = -(2**62)  # no residency end or peak yet (as capacity.py's per-record code starts them)
+
+
+def sample_threshold(rate: float) -> np.uint64 | None:
+    """The SHARDS fixed-rate threshold on ``key_hashes`` (a key is sampled below it); None: every key."""
+    if not 0.0 < rate <= 1.0:
+        raise ValueError(f"rate must be in (0, 1], got {rate}")
+    return np.uint64(min(int(rate * _TWO64), 2**64 - 1)) if rate < 1.0 else None
+
+
+@dataclass(frozen=True)
+class TtlRow:
+    """One TTL's figures over the whole stream (capacity.py's ``ttl_coverage`` makes its row)."""
+
+    ttl_ns: int
+    covered: int  # re-accesses whose interval is at most the TTL
+    held: int  # byte-nanoseconds held, exact
+    span_ns: int  # from the first access to the last residency's end (at least 1)
+    peak: int  # bytes held just after an access, at most
+
+
+@dataclass(frozen=True)
+class Curves:
+    """The `requests` stream's figures for mrc and ttl_coverage, and its summary at a checkpoint.
+
+    ``exact`` and ``sampled``: re-accesses per distance in blocks (the index), over the whole
+    stream, in it and in its SHARDS sample; ``accesses`` and ``sampled_accesses``: all accesses.
+    Every access is ``tokens`` tokens of ``size`` bytes."""
+
+    tokens: int
+    size: int
+    accesses: int
+    exact: np.ndarray
+    sampled: np.ndarray | None  # None: no sample rate asked
+    sampled_accesses: int
+    rate: float | None
+    ttl: tuple[TtlRow, ...]
+    summary: Summary | None = None  # at the checkpoint asked (None: none asked, or unstamped accesses)
+    stack: pl.DataFrame | None = None  # the stream's LRU stack there (block_hash, size, ts_ns)
+
+
+def exact_sum(hi: int, lo: int) -> int:
+    """The integer a (hi, lo) pair of unsigned 64-bit words holds."""
+    return (int(hi) << 64) + int(lo)
+
+
+@numba.njit(cache=True, inline="always")
+def _mul_add(hi: np.uint64, lo: np.uint64, a: np.uint64, b: np.uint64) -> tuple[np.uint64, np.uint64]:
+    """(hi, lo) + a·b, exact: a 128-bit sum of products of unsigned 64-bit words. (Byte-
+    nanoseconds pass int64: a 512-token block of a 70B model held 60 s is 1.0e19.)"""
+    m32 = np.uint64(0xFFFFFFFF)
+    s32 = np.uint64(32)
+    a0, a1, b0, b1 = a & m32, a >> s32, b & m32, b >> s32
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> s32) + (p01 & m32) + (p10 & m32)  # < 3·2^32: no overflow
+    low = (p00 & m32) | ((mid & m32) << s32)
+    high = p11 + (p01 >> s32) + (p10 >> s32) + (mid >> s32)
+    out = lo + low
+    if out < lo:  # the low word wrapped: carry one
+        high += np.uint64(1)
+    return hi + high, out
+
+
+@numba.njit(cache=True)
+def _mul_add_all(a: np.ndarray, b: np.ndarray) -> tuple[np.uint64, np.uint64]:
+    """Σ a·b over unsigned 64-bit words, exact (the 128-bit sum, for tests of ``_mul_add``)."""
+    hi, lo = np.uint64(0), np.uint64(0)
+    for i in range(a.shape[0]):
+        hi, lo = _mul_add(hi, lo, a[i], b[i])
+    return hi, lo
+
+
+@numba.njit(cache=True)
+def _ttl_kernel(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: np.ndarray, cap: int,
+                start: int, settled: int) -> tuple[np.ndarray, ...]:
+    """Per TTL, over a stream in time order whose first ``start`` accesses are a stack replayed
+    (each key's last access before a checkpoint) and whose first ``settled`` accesses come before
+    the next one: the byte-nanoseconds held (a (hi, lo) pair of words) and the latest end of every
+    residency, and of those whose key's next access comes before ``settled``; the peak held just
+    after each access from ``start`` on, and just after those before ``settled``.
+
+    A residency stops at its expiry (``ts + TTL``, capped at ``cap``) unless the key's next access
+    renews it first; then at that access's time. Held after access a: the bytes accessed up to it
+    less those stopped at or before its time (stops first at a tie). Both kinds of stop come in
+    time order (expiries in their accesses' order, renewals in the renewing accesses'), so two
+    cursors walk them beside the accesses. The stack's residencies are the only ones of the
+    history still open at the checkpoint, so from ``start`` on the held bytes are the whole
+    stream's."""
+    n, k = ts.shape[0], ttls_ns.shape[0]
+    hi, lo = np.zeros(k, np.uint64), np.zeros(k, np.uint64)
+    set_hi, set_lo = np.zeros(k, np.uint64), np.zeros(k, np.uint64)
+    last, set_last = np.full(k, _NONE, np.int64), np.full(k, _NONE, np.int64)
+    peak, set_peak = np.full(k, _NONE, np.int64), np.full(k, _NONE, np.int64)
+    renewed = np.zeros(n, np.bool_)  # residency i ends at its renewal
+    renewing = np.zeros(n, np.int64)  # bytes whose residency access j's renewal stops
+    renews = np.zeros(n, np.bool_)
+    following = np.empty(n, np.int64)  # the time of the key's next access (read once, in order)
+    for i in range(n):
+        following[i] = ts[nxt[i]] if nxt[i] >= 0 else 0
+    for q in range(k):
+        ttl_ns = ttls_ns[q]
+        renews[:] = False
+        h, w, sh, sw = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
+        end, set_end = _NONE, _NONE
+        for i in range(n):
+            j = nxt[i]
+            stop = ts[i] + ttl_ns
+            renewed[i] = j >= 0 and following[i] <= stop
+            if renewed[i]:
+                stop = following[i]
+                renews[j] = True
+                renewing[j] = sizes[i]
+            stop = min(stop, cap)
+            held = np.uint64(stop - ts[i])
+            h, w = _mul_add(h, w, np.uint64(sizes[i]), held)
+            end = max(end, stop)
+            if 0 <= j < settled:  # the key came back before the checkpoint: this residency is settled
+                sh, sw = _mul_add(sh, sw, np.uint64(sizes[i]), held)
+                set_end = max(set_end, stop)
+        hi[q], lo[q], set_hi[q], set_lo[q], last[q], set_last[q] = h, w, sh, sw, end, set_end
+        accessed, stopped, top, set_top = 0, 0, _NONE, _NONE
+        e, r = 0, 0
+        for a in range(n):
+            t = ts[a]
+            accessed += sizes[a]
+            while e < n and (renewed[e] or min(ts[e] + ttl_ns, cap) <= t):
+                if not renewed[e]:
+                    stopped += sizes[e]
+                e += 1
+            while r < n and (not renews[r] or min(ts[r], cap) <= t):
+                if renews[r]:
+                    stopped += renewing[r]
+                r += 1
+            if a >= start:
+                top = max(top, accessed - stopped)
+                if a < settled:
+                    set_top = max(set_top, accessed - stopped)
+        peak[q], set_peak[q] = top, set_top
+    return hi, lo, last, peak, set_hi, set_lo, set_last, set_peak
+
+
+def _added(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Two count-per-distance arrays summed (the longer's length)."""
+    out = np.zeros(max(a.shape[0], b.shape[0]), np.int64)
+    out[:a.shape[0]] += a
+    out[:b.shape[0]] += b
+    return out
+
+
+def _counts(distances: np.ndarray) -> np.ndarray:
+    return np.bincount(distances, minlength=0).astype(np.int64) if distances.size else np.zeros(0, np.int64)
+
+
+def requests_curves(acc: AccessStream, *, rate: float | None, ttls_s: tuple[float, ...],
+                    cut_ns: int | None = None) -> Curves | None:
+    """The `requests` stream's curves and TTL figures (``Curves``), continued from ``acc``'s
+    summary when it was read from one; with ``cut_ns``, the summary and stack there. None when its
+    accesses have more than one size (the per-record code computes them, from the whole stream)."""
+    prior = acc.summary
+    sizes = acc.sizes
+    if prior is None:
+        if sizes.shape[0] == 0 or sizes.min() != sizes.max():
+            return None
+        tokens = int(acc.frame["block_tokens"][0])
+        size = int(sizes[0])
+    else:
+        tokens, size = prior.tokens, prior.size
+        if sizes.shape[0] and (sizes.min() != size or sizes.max() != size):
+            raise ValueError(f"the stream's accesses are not all {size} bytes: it is read whole")
+        if (rate is not None and prior.rate != rate) or (ttls_s and prior.ttls_ns != _ttls_ns(ttls_s)):
+            raise ValueError("the summary was kept for another sample rate or other TTLs")
+    if acc.frame["ts_ns"].null_count():
+        return None  # (an access without a time: capacity.py's per-record code)
+    m = acc.head
+    keys, ts = acc.keys(), acc.times()
+    if ts.shape[0] > 1 and not bool(np.all(ts[1:] >= ts[:-1])):
+        return None
+    n = ts.shape[0]
+    d = acc.distances
+    before = (prior.accesses if prior is not None else 0)
+    known = prior.first_ns if prior is not None else None
+    first = known if known is not None else (int(ts[m]) if n > m else None)
+    # the accesses before the cut: the stack, then the new ones stamped before it (in time order)
+    settled = n if cut_ns is None else m + int(np.searchsorted(ts[m:], cut_ns, side="left"))
+    re = np.flatnonzero(d.prev[m:] >= 0) + m
+    exact_new, exact_settled = _counts(d.blocks[re]), _counts(d.blocks[re[re < settled]])
+    exact = _added(prior.exact, exact_new) if prior is not None else exact_new
+    sampled = sampled_settled = None
+    sampled_accesses = sampled_upto = 0
+    if rate is not None:
+        below = sample_threshold(rate)
+        pick = np.ones(n, np.bool_) if below is None else key_hashes(keys, np.uint64(0)) < below
+        ms = int(pick[:m].sum())
+        ds = reuse_distances(keys[pick], size, distinct_head=ms)
+        rs = np.flatnonzero(ds.prev[ms:] >= 0) + ms
+        upto = int(pick[:settled].sum())
+        sampled_new, sampled_new_settled = _counts(ds.blocks[rs]), _counts(ds.blocks[rs[rs < upto]])
+        base = prior.sampled if prior is not None else np.zeros(0, np.int64)
+        sampled, sampled_settled = _added(base, sampled_new), _added(base, sampled_new_settled)
+        sampled_before = prior.sampled_accesses if prior is not None else 0
+        sampled_accesses = sampled_before + int(pick[m:].sum())
+        sampled_upto = sampled_before + upto - ms
+    # the TTL cache, over the stack and the new accesses
+    ttls_ns = np.asarray(_ttls_ns(ttls_s), np.int64)
+    nxt = np.full(n, -1, np.int64)
+    nxt[d.prev[re]] = re
+    cap = int(ts.max()) + 1 if n else 0
+    hi, lo, last, peak, s_hi, s_lo, s_last, s_peak = _ttl_kernel(
+        ts, nxt, np.full(n, size, np.int64), ttls_ns, cap, m, settled)
+    interval = ts[re] - ts[d.prev[re]]
+    rows, kept = [], []
+    for q, ttl_ns in enumerate(ttls_ns.tolist()):
+        covers = interval <= ttl_ns
+        covered_new, covered_settled = int(covers.sum()), int(covers[re < settled].sum())
+        held = exact_sum(hi[q], lo[q]) + (prior.held[q] if prior is not None else 0)
+        end = max(int(last[q]), prior.last_stop[q] if prior is not None else _NONE)
+        top = max(int(peak[q]), prior.peak[q] if prior is not None else _NONE)
+        rows.append(TtlRow(ttl_ns, covered_new + (prior.covered[q] if prior is not None else 0), held,
+                           max(1, end - first) if first is not None else 1, top))
+        kept.append((covered_settled + (prior.covered[q] if prior is not None else 0),
+                     exact_sum(s_hi[q], s_lo[q]) + (prior.held[q] if prior is not None else 0),
+                     max(int(s_last[q]), prior.last_stop[q] if prior is not None else _NONE),
+                     max(int(s_peak[q]), prior.peak[q] if prior is not None else _NONE)))
+    summary = stack = None
+    if cut_ns is not None:
+        stack = _last_accesses(keys, np.full(n, size, np.int64), pl.Series(ts), d.prev, settled)
+        summary = Summary(
+            tokens=tokens, size=size, accesses=before + settled - m,
+            first_ns=first if known is not None or settled > m else None,
+            exact=_added(prior.exact, exact_settled) if prior is not None else exact_settled,
+            sampled=sampled_settled if sampled_settled is not None else np.zeros(0, np.int64),
+            sampled_accesses=sampled_upto, rate=rate,
+            ttls_ns=tuple(int(t) for t in ttls_ns.tolist()),
+            covered=tuple(c for c, _, _, _ in kept), held=tuple(h for _, h, _, _ in kept),
+            last_stop=tuple(e for _, _, e, _ in kept), peak=tuple(p for _, _, _, p in kept))
+    return Curves(tokens, size, before + n - m, exact, sampled, sampled_accesses, rate, tuple(rows),
+                  summary, stack)
+
+
+def _ttls_ns(ttls_s: Any) -> tuple[int, ...]:
+    return tuple(int(ttl * 1_000_000_000) for ttl in sorted(ttls_s))
