@@ -90,46 +90,32 @@ def exact_sum(hi: int, lo: int) -> int:
 
 
 @numba.njit(cache=True, inline="always")
-def _mul_add(hi: np.uint64, lo: np.uint64, a: np.uint64, b: np.uint64) -> tuple[np.uint64, np.uint64]:
-    """(hi, lo) + a·b, exact: a 128-bit sum of products of unsigned 64-bit words. (Byte-
-    nanoseconds pass int64: a 512-token block of a 70B model held 60 s is 1.0e19.)"""
-    m32 = np.uint64(0xFFFFFFFF)
-    s32 = np.uint64(32)
-    a0, a1, b0, b1 = a & m32, a >> s32, b & m32, b >> s32
-    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
-    mid = (p00 >> s32) + (p01 & m32) + (p10 & m32)  # < 3·2^32: no overflow
-    low = (p00 & m32) | ((mid & m32) << s32)
-    high = p11 + (p01 >> s32) + (p10 >> s32) + (mid >> s32)
-    out = lo + low
-    if out < lo:  # the low word wrapped: carry one
-        high += np.uint64(1)
-    return hi + high, out
+def _add(hi: np.uint64, lo: np.uint64, a: np.uint64) -> tuple[np.uint64, np.uint64]:
+    """(hi, lo) + a, exact: a 128-bit sum of unsigned 64-bit words (nanoseconds held sum past 64
+    bits on a long stream; times a block's bytes they pass int64 sooner: a 512-token block of a 70B
+    model held 60 s is 1.0e19 byte-ns)."""
+    out = lo + a
+    if out < lo:
+        hi += np.uint64(1)
+    return hi, out
 
 
 @numba.njit(cache=True)
-def _mul_add_all(a: np.ndarray, b: np.ndarray) -> tuple[np.uint64, np.uint64]:
-    """Σ a·b over unsigned 64-bit words, exact (the 128-bit sum, for tests of ``_mul_add``)."""
-    hi, lo = np.uint64(0), np.uint64(0)
-    for i in range(a.shape[0]):
-        hi, lo = _mul_add(hi, lo, a[i], b[i])
-    return hi, lo
-
-
-@numba.njit(cache=True)
-def _ttl_kernel(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: np.ndarray, cap: int,
-                start: int, settled: int) -> tuple[np.ndarray, ...]:
-    """Per TTL, over a stream in time order whose first ``start`` accesses are a stack replayed
-    (each key's last access before a checkpoint) and whose first ``settled`` accesses come before
-    the next one: the byte-nanoseconds held (a (hi, lo) pair of words) and the latest end of every
-    residency, and of those whose key's next access comes before ``settled``; the peak held just
-    after each access from ``start`` on, and just after those before ``settled``.
+def _ttl_kernel(ts: np.ndarray, nxt: np.ndarray, ttls_ns: np.ndarray, cap: int, start: int,
+                settled: int) -> tuple[np.ndarray, ...]:
+    """Per TTL, over a stream of blocks of one size in time order whose first ``start`` accesses
+    are a stack replayed (each key's last access before a checkpoint) and whose first ``settled``
+    accesses come before the next one: the nanoseconds every residency held its block (a (hi, lo)
+    pair of words: times the block's bytes, the byte-nanoseconds) and their latest end, the same
+    of those whose key's next access comes before ``settled``; and the most blocks held just after
+    an access from ``start`` on, and just after one before ``settled``.
 
     A residency stops at its expiry (``ts + TTL``, capped at ``cap``) unless the key's next access
-    renews it first; then at that access's time. Held after access a: the bytes accessed up to it
+    renews it first; then at that access's time. Held after access a: the blocks accessed up to it
     less those stopped at or before its time (stops first at a tie). Both kinds of stop come in
     time order (expiries in their accesses' order, renewals in the renewing accesses'), so two
     cursors walk them beside the accesses. The stack's residencies are the only ones of the
-    history still open at the checkpoint, so from ``start`` on the held bytes are the whole
+    history still open at the checkpoint, so from ``start`` on the held blocks are the whole
     stream's."""
     n, k = ts.shape[0], ttls_ns.shape[0]
     hi, lo = np.zeros(k, np.uint64), np.zeros(k, np.uint64)
@@ -137,49 +123,47 @@ def _ttl_kernel(ts: np.ndarray, nxt: np.ndarray, sizes: np.ndarray, ttls_ns: np.
     last, set_last = np.full(k, _NONE, np.int64), np.full(k, _NONE, np.int64)
     peak, set_peak = np.full(k, _NONE, np.int64), np.full(k, _NONE, np.int64)
     renewed = np.zeros(n, np.bool_)  # residency i ends at its renewal
-    renewing = np.zeros(n, np.int64)  # bytes whose residency access j's renewal stops
-    renews = np.zeros(n, np.bool_)
-    following = np.empty(n, np.int64)  # the time of the key's next access (read once, in order)
+    renews = np.zeros(n, np.bool_)  # access j renews a residency
+    gap = np.empty(n, np.int64)  # to the key's next access (read once, in order)
     for i in range(n):
-        following[i] = ts[nxt[i]] if nxt[i] >= 0 else 0
+        gap[i] = ts[nxt[i]] - ts[i] if nxt[i] >= 0 else -1
     for q in range(k):
         ttl_ns = ttls_ns[q]
         renews[:] = False
         h, w, sh, sw = np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0)
         end, set_end = _NONE, _NONE
         for i in range(n):
-            j = nxt[i]
-            stop = ts[i] + ttl_ns
-            renewed[i] = j >= 0 and following[i] <= stop
+            g = gap[i]
+            renewed[i] = 0 <= g <= ttl_ns
             if renewed[i]:
-                stop = following[i]
-                renews[j] = True
-                renewing[j] = sizes[i]
+                stop = ts[i] + g
+                renews[nxt[i]] = True
+            else:
+                stop = ts[i] + ttl_ns
             stop = min(stop, cap)
-            held = np.uint64(stop - ts[i])
-            h, w = _mul_add(h, w, np.uint64(sizes[i]), held)
+            h, w = _add(h, w, np.uint64(stop - ts[i]))
             end = max(end, stop)
-            if 0 <= j < settled:  # the key came back before the checkpoint: this residency is settled
-                sh, sw = _mul_add(sh, sw, np.uint64(sizes[i]), held)
+            if 0 <= nxt[i] < settled:  # the key came back before the checkpoint: this residency is settled
+                sh, sw = _add(sh, sw, np.uint64(stop - ts[i]))
                 set_end = max(set_end, stop)
         hi[q], lo[q], set_hi[q], set_lo[q], last[q], set_last[q] = h, w, sh, sw, end, set_end
-        accessed, stopped, top, set_top = 0, 0, _NONE, _NONE
+        held, top, set_top = 0, _NONE, _NONE
         e, r = 0, 0
         for a in range(n):
             t = ts[a]
-            accessed += sizes[a]
+            held += 1
             while e < n and (renewed[e] or min(ts[e] + ttl_ns, cap) <= t):
                 if not renewed[e]:
-                    stopped += sizes[e]
+                    held -= 1
                 e += 1
             while r < n and (not renews[r] or min(ts[r], cap) <= t):
                 if renews[r]:
-                    stopped += renewing[r]
+                    held -= 1
                 r += 1
             if a >= start:
-                top = max(top, accessed - stopped)
+                top = max(top, held)
                 if a < settled:
-                    set_top = max(set_top, accessed - stopped)
+                    set_top = max(set_top, held)
         peak[q], set_peak[q] = top, set_top
     return hi, lo, last, peak, set_hi, set_lo, set_last, set_peak
 
@@ -250,22 +234,21 @@ def requests_curves(acc: AccessStream, *, rate: float | None, ttls_s: tuple[floa
     nxt = np.full(n, -1, np.int64)
     nxt[d.prev[re]] = re
     cap = int(ts.max()) + 1 if n else 0
-    hi, lo, last, peak, s_hi, s_lo, s_last, s_peak = _ttl_kernel(
-        ts, nxt, np.full(n, size, np.int64), ttls_ns, cap, m, settled)
+    hi, lo, last, peak, s_hi, s_lo, s_last, s_peak = _ttl_kernel(ts, nxt, ttls_ns, cap, m, settled)
     interval = ts[re] - ts[d.prev[re]]
     rows, kept = [], []
     for q, ttl_ns in enumerate(ttls_ns.tolist()):
         covers = interval <= ttl_ns
         covered_new, covered_settled = int(covers.sum()), int(covers[re < settled].sum())
-        held = exact_sum(hi[q], lo[q]) + (prior.held[q] if prior is not None else 0)
+        held = size * exact_sum(hi[q], lo[q]) + (prior.held[q] if prior is not None else 0)
         end = max(int(last[q]), prior.last_stop[q] if prior is not None else _NONE)
-        top = max(int(peak[q]), prior.peak[q] if prior is not None else _NONE)
+        top = max(_bytes(int(peak[q]), size), prior.peak[q] if prior is not None else _NONE)
         rows.append(TtlRow(ttl_ns, covered_new + (prior.covered[q] if prior is not None else 0), held,
                            max(1, end - first) if first is not None else 1, top))
         kept.append((covered_settled + (prior.covered[q] if prior is not None else 0),
-                     exact_sum(s_hi[q], s_lo[q]) + (prior.held[q] if prior is not None else 0),
+                     size * exact_sum(s_hi[q], s_lo[q]) + (prior.held[q] if prior is not None else 0),
                      max(int(s_last[q]), prior.last_stop[q] if prior is not None else _NONE),
-                     max(int(s_peak[q]), prior.peak[q] if prior is not None else _NONE)))
+                     max(_bytes(int(s_peak[q]), size), prior.peak[q] if prior is not None else _NONE)))
     summary = stack = None
     if cut_ns is not None:
         stack = _last_accesses(keys, np.full(n, size, np.int64), pl.Series(ts), d.prev, settled)
@@ -280,6 +263,11 @@ def requests_curves(acc: AccessStream, *, rate: float | None, ttls_s: tuple[floa
             last_stop=tuple(e for _, _, e, _ in kept), peak=tuple(p for _, _, _, p in kept))
     return Curves(tokens, size, before + n - m, exact, sampled, sampled_accesses, rate, tuple(rows),
                   summary, stack)
+
+
+def _bytes(blocks: int, size: int) -> int:
+    """A peak in blocks, in bytes (none stays none)."""
+    return blocks * size if blocks != _NONE else _NONE
 
 
 def _ttls_ns(ttls_s: Any) -> tuple[int, ...]:
