@@ -47,6 +47,7 @@ import numpy as np
 from numba import njit, types
 from numba.typed import Dict
 
+from kvlens.analyzers.hashmap import get, items, put, table, table_of
 from kvlens.schema import Outcome
 
 __all__ = ["OUTCOME_CODES", "SRC_CPU", "SRC_DISK", "SRC_GPU", "SRC_POOL", "SRC_TRANSFER", "TIERS",
@@ -83,8 +84,8 @@ _BITS = 63  # per int64 word; a multiple of 3, so a location's tier bits sit in 
 
 @njit(cache=True, inline="always")
 def _row(rows, h):
-    """The block's dense row, or -1 if it was never stored (one hash probe)."""
-    return rows.get(h, -1) + 0  # the arithmetic unboxes the Optional get() returns
+    """The block's dense row, or -1 if it was never stored (one hash probe: analyzers/hashmap.py)."""
+    return get(rows, h)
 
 
 @njit(cache=True, inline="always")
@@ -173,24 +174,25 @@ def _holder(masks, row, own_loc, pool_loc, n_words, n_locs, n_groups):
 
 @njit(cache=True)
 def _note_content(c_first_ns, c_other_ns, c, ns):
+    """The first namespace content ``c`` is stored under, and the first different one (tables)."""
     if c == 0 or ns == _NO_NS:
         return
-    if c not in c_first_ns:
-        c_first_ns[c] = ns
-    elif c_first_ns[c] != ns and c not in c_other_ns:
-        c_other_ns[c] = ns
+    first = get(c_first_ns, c)
+    if first < 0:
+        put(c_first_ns, c, ns)
+    elif first != ns and get(c_other_ns, c) < 0:
+        put(c_other_ns, c, ns)
 
 
 @njit(cache=True)
 def _other_namespace(c_first_ns, c_other_ns, c, ns):
     """A namespace other than ``ns`` that the same content was stored under, or -1."""
-    if c == 0 or ns == _NO_NS or c not in c_first_ns:
+    if c == 0 or ns == _NO_NS:
         return -1
-    if c_first_ns[c] != ns:
-        return c_first_ns[c]
-    if c in c_other_ns:
-        return c_other_ns[c]
-    return -1
+    first = get(c_first_ns, c)
+    if first < 0 or first != ns:
+        return first
+    return get(c_other_ns, c)
 
 
 @njit(cache=True, inline="always")
@@ -314,7 +316,7 @@ def _apply(k, upto, t, ev_ts, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c, ev_n
             if kind == _STORED:
                 if row < 0:  # a block never stored before: its first copy
                     row = n_rows
-                    rows[ev_h[k]] = row
+                    put(rows, ev_h[k], row)
                     n_rows += 1
                     _set(masks, row, slot, True)
                 else:
@@ -348,12 +350,13 @@ def _arrays_of(d):
 def _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, n_rows):
     """The cache state as arrays (``replay_resume``'s ``state``): a copy, the replay goes on."""
     row_hash = np.empty(n_rows, np.int64)
-    for h, row in rows.items():
-        if row < n_rows:  # rows added later are not part of the snapshot
-            row_hash[row] = h
+    for h in range(rows.shape[0] - 1):  # (a table: analyzers/hashmap.py)
+        row = rows[h, 1] - 1
+        if 0 <= row < n_rows:  # rows added later are not part of the snapshot
+            row_hash[row] = rows[h, 0]
     ck, cv = _arrays_of(copies)
-    fk, fv = _arrays_of(c_first_ns)
-    ok, ov = _arrays_of(c_other_ns)
+    fk, fv = items(c_first_ns)
+    ok, ov = items(c_other_ns)
     return (row_hash, masks[:n_rows].copy(), extra[:n_rows].copy(), removed_ts[:n_rows].copy(),
             remover[:n_rows].copy(), ck, cv, fk, fv, ok, ov)
 
@@ -393,17 +396,18 @@ def replay_resume(ev_ts, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_c,
     n_words = (_TIERS * n_locs * n_groups + _BITS - 1) // _BITS
     row_hash, st_masks, st_extra, st_removed, st_remover, ck, cv, fk, fv, ok, ov = state
     n_rows = row_hash.shape[0]
-    max_rows = max(n_rows + int(np.sum(ev_kind == _STORED)), 1)  # a row per distinct stored block at most
+    stores = int(np.sum(ev_kind == _STORED))
+    max_rows = max(n_rows + stores, 1)  # a row per distinct stored block at most
     masks, extra, removed_ts, remover = _cache(max_rows, n_words)
     masks[:n_rows] = st_masks
     extra[:n_rows] = st_extra
     removed_ts[:n_rows] = st_removed
     remover[:n_rows] = st_remover
-    rows = Dict.empty(key_type=types.int64, value_type=types.int64)
+    rows = table(max_rows)  # block hash -> row, and content -> namespaces: each store adds one key at most
     for row in range(n_rows):
-        rows[row_hash[row]] = row
-    c_first_ns = _dict_of(fk, fv)
-    c_other_ns = _dict_of(ok, ov)
+        put(rows, row_hash[row], row)
+    c_first_ns = table_of(fk, fv, stores)
+    c_other_ns = table_of(ok, ov, stores)
     copies = _dict_of(ck, cv)  # extra copies per (row, slot)
     most = 1
     for i in range(req_t.shape[0]):
@@ -645,10 +649,10 @@ def block_states(ev_place, ev_stamp, ev_kind, ev_loc, ev_tier, ev_grp, ev_h, ev_
     max_rows = max(int(np.sum(ev_kind == _STORED)), 1)
     masks, extra, removed_ts, remover = _cache(max_rows, n_words)
     none = np.zeros(0, np.int64)
-    rows = _dict_of(none, none)
+    rows = table(max_rows)
     copies = _dict_of(none, none)
-    c_first_ns = _dict_of(none, none)  # content is phase 2's (content_namespaces): left empty here
-    c_other_ns = _dict_of(none, none)
+    c_first_ns = table(0)  # content is phase 2's (content_namespaces): left empty here
+    c_other_ns = table(0)
     no_content = np.zeros(ev_kind.shape[0], np.int64)
     saved = _snapshot(rows, masks, extra, removed_ts, remover, copies, c_first_ns, c_other_ns, 0)
     snapped = snap < 0

@@ -40,6 +40,7 @@ import numba
 import numpy as np
 import polars as pl
 
+from kvlens.analyzers.hashmap import mix64 as _mix64
 from kvlens.analyzers.state_blob import pack, still_counted, unpack
 from kvlens.errors import NoDataError
 from kvlens.schema import REUSE
@@ -65,14 +66,6 @@ class Distances:
     @property
     def reaccess(self) -> np.ndarray:
         return self.prev >= 0
-
-
-@numba.njit(cache=True, inline="always")
-def _mix64(x: np.uint64) -> np.uint64:
-    # splitmix64 finalizer: spreads sequential ids (Mooncake's are small integers) over 64 bits.
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
 
 
 @numba.njit(cache=True)
