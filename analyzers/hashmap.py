@@ -40,7 +40,7 @@ def table(keys: int) -> np.ndarray:
 
 
 @njit(cache=True, inline="always")
-def _slot(t: np.ndarray, key: np.int64) -> np.int64:
+def _slot(t: np.ndarray, key: int) -> int:
     """The slot holding ``key``, or the empty one where it goes."""
     mask = t.shape[0] - 2
     h = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
@@ -50,13 +50,13 @@ def _slot(t: np.ndarray, key: np.int64) -> np.int64:
 
 
 @njit(cache=True, inline="always")
-def get(t: np.ndarray, key: np.int64) -> np.int64:
+def get(t: np.ndarray, key: int) -> int:
     """``key``'s value, or -1 when it has none (values are at least 0)."""
     return t[_slot(t, key), 1] - 1
 
 
 @njit(cache=True, inline="always")
-def put(t: np.ndarray, key: np.int64, value: np.int64) -> None:
+def put(t: np.ndarray, key: int, value: int) -> None:
     """Set ``key``'s value (at least 0); the table must have room (``table``)."""
     h = _slot(t, key)
     if t[h, 1] == 0:
