@@ -40,7 +40,7 @@ def table(keys: int) -> np.ndarray:
 
 
 @njit(cache=True, inline="always")
-def _slot(t: np.ndarray, key: int) -> int:
+def _slot(t: np.ndarray, key: int) -> np.int64:
     """The slot holding ``key``, or the empty one where it goes."""
     mask = t.shape[0] - 2
     h = np.int64(mix64(np.uint64(key)) & np.uint64(mask))
