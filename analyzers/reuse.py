@@ -783,7 +783,9 @@ def _streams(acc: AccessStream, start: int, ev: pl.DataFrame | None, fill: int, 
     if prior is not None and first:  # a root new since the state makes groups of earlier re-accesses
         new = np.setdiff1d(roots, prior.roots["block_hash"].to_numpy())
         if acc.stack is not None:
-            group.insert(0, _earlier_rows(earlier, new, prior.checkpoint_ns))
+            # only a key accessed before the checkpoint has rows there: every such key is in its stack
+            seen = acc.stack.filter(pl.col("block_hash").is_in(pl.Series(new, dtype=pl.UInt64).implode()))
+            group.insert(0, _earlier_rows(earlier, seen["block_hash"].to_numpy(), prior.checkpoint_ns))
         else:
             before = np.flatnonzero((d.prev[:start] >= 0) & np.isin(keys[:start], new))
             group.insert(0, _rows_at("requests", keys, ts, d, before))
