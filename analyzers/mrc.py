@@ -105,9 +105,6 @@ def _histogram(d: Distances, sizes_arr: np.ndarray) -> ReuseHistogram:
                           float(sizes_arr.shape[0]), float(sizes_arr.sum()))
 
 
-_key_hashes = key_hashes  # (reuse.py's: the requests summary samples the same keys)
-
-
 def _scaled(d: ReuseHistogram, rate: float) -> tuple[np.ndarray, np.ndarray]:
     size = d.weight_bytes  # exact records: weight_bytes is the access's own size
     return (d.distance_blocks - 1.0) / rate + 1.0, (d.distance_bytes - size) / rate + size
@@ -128,7 +125,7 @@ def shards_histogram(keys: np.ndarray, sizes: np.ndarray | int = 1, *, rate: flo
     if (rate is None) == (max_keys is None):
         raise ValueError("give exactly one of rate (fixed-rate) or max_keys (fixed-size)")
     keys, sizes_arr = _as_arrays(keys, sizes)
-    hashes = _key_hashes(keys, np.uint64(seed))
+    hashes = key_hashes(keys, np.uint64(seed))
     n, total_bytes = float(keys.shape[0]), float(sizes_arr.sum())
     if rate is not None:
         below = sample_threshold(rate)
@@ -277,7 +274,7 @@ def partition_histograms(keys: np.ndarray, sizes: np.ndarray | int = 1, *, parti
     without adj, whose surpluses cancel across partitions).
     """
     keys, sizes_arr = _as_arrays(keys, sizes)
-    part = _key_hashes(keys, np.uint64(seed)) % np.uint64(partitions)
+    part = key_hashes(keys, np.uint64(seed)) % np.uint64(partitions)
     chosen = ((keys[rows], sizes_arr[rows], partitions)
               for rows in split_by_partition(part.astype(np.int64), partitions))
     return list(run(partition_histogram, Counted(chosen, partitions)))

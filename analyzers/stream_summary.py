@@ -206,14 +206,15 @@ def requests_curves(acc: AccessStream, *, rate: float | None, ttls_s: tuple[floa
         return None
     n = ts.shape[0]
     d = acc.distances
-    before = (prior.accesses if prior is not None else 0)
-    known = prior.first_ns if prior is not None else None
+    # a full computation is a continuation from an empty summary
+    base = prior if prior is not None else _empty(tokens, size, rate, _ttls_ns(ttls_s))
+    known = base.first_ns
     first = known if known is not None else (int(ts[m]) if n > m else None)
     # the accesses before the cut: the stack, then the new ones stamped before it (in time order)
     settled = n if cut_ns is None else m + int(np.searchsorted(ts[m:], cut_ns, side="left"))
     re = np.flatnonzero(d.prev[m:] >= 0) + m
     exact_new, exact_settled = _counts(d.blocks[re]), _counts(d.blocks[re[re < settled]])
-    exact = _added(prior.exact, exact_new) if prior is not None else exact_new
+    exact = _added(base.exact, exact_new)
     sampled = sampled_settled = None
     sampled_accesses = sampled_upto = 0
     if rate is not None:
@@ -224,11 +225,10 @@ def requests_curves(acc: AccessStream, *, rate: float | None, ttls_s: tuple[floa
         rs = np.flatnonzero(ds.prev[ms:] >= 0) + ms
         upto = int(pick[:settled].sum())
         sampled_new, sampled_new_settled = _counts(ds.blocks[rs]), _counts(ds.blocks[rs[rs < upto]])
-        base = prior.sampled if prior is not None else np.zeros(0, np.int64)
-        sampled, sampled_settled = _added(base, sampled_new), _added(base, sampled_new_settled)
-        sampled_before = prior.sampled_accesses if prior is not None else 0
-        sampled_accesses = sampled_before + int(pick[m:].sum())
-        sampled_upto = sampled_before + upto - ms
+        sampled = _added(base.sampled, sampled_new)
+        sampled_settled = _added(base.sampled, sampled_new_settled)
+        sampled_accesses = base.sampled_accesses + int(pick[m:].sum())
+        sampled_upto = base.sampled_accesses + upto - ms
     # the TTL cache, over the stack and the new accesses
     ttls_ns = np.asarray(_ttls_ns(ttls_s), np.int64)
     nxt = np.full(n, -1, np.int64)
@@ -240,29 +240,35 @@ def requests_curves(acc: AccessStream, *, rate: float | None, ttls_s: tuple[floa
     for q, ttl_ns in enumerate(ttls_ns.tolist()):
         covers = interval <= ttl_ns
         covered_new, covered_settled = int(covers.sum()), int(covers[re < settled].sum())
-        held = size * exact_sum(hi[q], lo[q]) + (prior.held[q] if prior is not None else 0)
-        end = max(int(last[q]), prior.last_stop[q] if prior is not None else _NONE)
-        top = max(_bytes(int(peak[q]), size), prior.peak[q] if prior is not None else _NONE)
-        rows.append(TtlRow(ttl_ns, covered_new + (prior.covered[q] if prior is not None else 0), held,
-                           max(1, end - first) if first is not None else 1, top))
-        kept.append((covered_settled + (prior.covered[q] if prior is not None else 0),
-                     size * exact_sum(s_hi[q], s_lo[q]) + (prior.held[q] if prior is not None else 0),
-                     max(int(s_last[q]), prior.last_stop[q] if prior is not None else _NONE),
-                     max(_bytes(int(s_peak[q]), size), prior.peak[q] if prior is not None else _NONE)))
+        held = size * exact_sum(hi[q], lo[q]) + base.held[q]
+        end = max(int(last[q]), base.last_stop[q])
+        rows.append(TtlRow(ttl_ns, covered_new + base.covered[q], held,
+                           max(1, end - first) if first is not None else 1,
+                           max(_bytes(int(peak[q]), size), base.peak[q])))
+        kept.append((covered_settled + base.covered[q], size * exact_sum(s_hi[q], s_lo[q]) + base.held[q],
+                     max(int(s_last[q]), base.last_stop[q]), max(_bytes(int(s_peak[q]), size), base.peak[q])))
     summary = stack = None
     if cut_ns is not None:
         stack = _last_accesses(keys, np.full(n, size, np.int64), pl.Series(ts), d.prev, settled)
         summary = Summary(
-            tokens=tokens, size=size, accesses=before + settled - m,
+            tokens=tokens, size=size, accesses=base.accesses + settled - m,
             first_ns=first if known is not None or settled > m else None,
-            exact=_added(prior.exact, exact_settled) if prior is not None else exact_settled,
+            exact=_added(base.exact, exact_settled),
             sampled=sampled_settled if sampled_settled is not None else np.zeros(0, np.int64),
             sampled_accesses=sampled_upto, rate=rate,
             ttls_ns=tuple(int(t) for t in ttls_ns.tolist()),
             covered=tuple(c for c, _, _, _ in kept), held=tuple(h for _, h, _, _ in kept),
             last_stop=tuple(e for _, _, e, _ in kept), peak=tuple(p for _, _, _, p in kept))
-    return Curves(tokens, size, before + n - m, exact, sampled, sampled_accesses, rate, tuple(rows),
+    return Curves(tokens, size, base.accesses + n - m, exact, sampled, sampled_accesses, rate, tuple(rows),
                   summary, stack)
+
+
+def _empty(tokens: int, size: int, rate: float | None, ttls_ns: tuple[int, ...]) -> Summary:
+    """The summary of no access."""
+    none = np.zeros(0, np.int64)
+    k = len(ttls_ns)
+    return Summary(tokens, size, 0, None, none, none, 0, rate, ttls_ns, (0,) * k, (0,) * k, (_NONE,) * k,
+                   (_NONE,) * k)
 
 
 def _bytes(blocks: int, size: int) -> int:

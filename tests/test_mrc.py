@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from multiturn import multiturn_blocks
 
 from kvlens.analyzers.mrc import (
-    _key_hashes,
     curve,
     exact_histogram,
     merge,
@@ -22,7 +21,7 @@ from kvlens.analyzers.mrc import (
     shards_histogram,
 )
 from kvlens.analyzers.partitions import Partitions
-from kvlens.analyzers.reuse import request_stream
+from kvlens.analyzers.reuse import key_hashes, request_stream
 from kvlens.lake import open_lake
 from kvlens.schema import MRC
 
@@ -209,7 +208,7 @@ def test_shards_at_rate_one_is_exact_and_adj_restores_totals() -> None:
     sampled = shards_histogram(keys, 1, rate=0.05)
     raw = shards_histogram(keys, 1, rate=0.05, adjust=False)
     # adj: one record of N - N_sampled/R references at the smallest distance
-    n_sampled = int((_key_hashes(keys, np.uint64(0)) < np.uint64(int(0.05 * 2**64))).sum())
+    n_sampled = int((key_hashes(keys, np.uint64(0)) < np.uint64(int(0.05 * 2**64))).sum())
     assert sampled.weight[-1] == pytest.approx(len(keys) - n_sampled / 0.05)
     assert sampled.weight[:-1].sum() == pytest.approx(raw.weight.sum())
     assert curve(sampled, [1e12])[0][0] == pytest.approx(curve(exact, [1e12])[0][0], abs=0.05)
