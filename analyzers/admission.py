@@ -28,7 +28,11 @@ look-up is the first place, from its time (arrival plus queue time) on, where it
 every one of its full blocks: a request admitted in the same step after one that stored them
 sees them, although their batch is stamped after both arrived (measured live: two engines behind
 kvlens gateway, a request of 5 full blocks admitted just after another of the same system prompt
-read 0 hit tokens where the engine had 160). Where no such place is found, it stays at its time.
+read 0 hit tokens where the engine had 160). The runs that held them are claimed first, by every
+request: the one that stored them may have reached the gateway after this one, since the API
+server hands requests to the engine core in the order it finishes with them (seen once in CI: the
+same 0 for 160 with the storing request second in arrival order). Where no such place is found,
+it stays at its time.
 Every request of a hybrid model's replica (several KV cache groups, each publishing its own runs,
 a sliding window's with gaps) keeps its time; this rule does not cover them yet.
 """
@@ -143,7 +147,7 @@ def _held_at(ev: dict[str, np.ndarray], loc: int, h: int, place: int, last_store
 def _all_held(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
               start: int, upto: int, claimed: set[int]) -> int:
     """The first stream place from ``start`` on (at most ``upto``) where ``loc`` holds every block
-    of ``chain``, each from a run an earlier request claimed (``start`` when none is found): a
+    of ``chain``, each from a run some request claimed (``start`` when none is found): a
     request that stored nothing found them all cached. A block held only through a run nobody
     claimed is not taken as a hit (measured live: a request the engine served with 0 hits matched
     no run of its own, and the first place holding its blocks gave it 704 hit tokens)."""
@@ -215,12 +219,12 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     taken: set[int] = set(claimed)
     anchored = [i for i in np.argsort(look, kind="stable").tolist() if candidates[i] and chains.get(ids[i])]
     index = _stored_index(ev["ev_kind"], ev["ev_loc"], ev["ev_h"])
+    unfound = []
     for i in anchored:
-        chain = chains[ids[i]]
-        own = _cut(ev, index, int(req_loc[i]), chain, int(after[i]), int(upto[i]), taken)
+        own = _cut(ev, index, int(req_loc[i]), chains[ids[i]], int(after[i]), int(upto[i]), taken)
         owns[i] = own
         if own < 0:
-            cuts[i] = _all_held(ev, index, int(req_loc[i]), chain, int(by_time[i]), int(upto[i]), taken)
+            unfound.append(i)
             continue
         taken.add(own)
         # Only a run published after the look-up time is a step's batch the engine stamped
@@ -228,4 +232,10 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
         # rule is already exact there).
         if ts[own] > look[i] and not _crosses(ev["ev_loc"], int(by_time[i]), own, shared):
             cuts[i] = own
+    # A request that stored nothing found its blocks cached by runs the engine admitted before it,
+    # whoever claimed them: the gateway's arrival order is not the engine core's (the API server
+    # hands requests on in the order it finishes with them), so a run claimed by a request that
+    # arrived after it can still be the one it found (CI, live: 0 hit tokens where the engine had 160).
+    for i in unfound:
+        cuts[i] = _all_held(ev, index, int(req_loc[i]), chains[ids[i]], int(by_time[i]), int(upto[i]), taken)
     return cuts, owns

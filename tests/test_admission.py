@@ -68,3 +68,27 @@ def test_runs_claimed_before_are_not_taken_again() -> None:
     _, alone = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64), claimed=[0])
     _, unaware = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64))
     assert alone.tolist() == [2] and unaware.tolist() == [0]
+
+
+def test_a_request_that_stored_nothing_finds_a_run_claimed_after_it_in_arrival_order() -> None:
+    # y (A B, a partial tail) reaches the gateway just before x (A B C), but the engine admits x
+    # first (the API server hands requests to the engine core in the order it finishes them, not
+    # in the gateway's): x stores A B C, y finds A and B cached and stores nothing. The run is x's
+    # although x comes after y in look-up order; y's look-up is after it (the engine's 64 hit
+    # tokens: CI saw this ledger give 0 where the engine had 160).
+    ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 0, C, B)])
+    req, full = _requests({"y": (10, [A, B]), "x": (11, [A, B, C])})
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    assert owns.tolist() == [-1, 0]
+    assert cuts.tolist() == [2, 0]  # y once A and B are held; x before its own run
+
+
+def test_a_run_nobody_claims_is_still_not_a_hit() -> None:
+    # A B were stored by a run that goes on with D: the run of a request the lake does not hold
+    # (y needs no block after B). No request claims it, so y, which matched no run of its own,
+    # keeps its time (a miss), not a hit (measured live: such a place gave 704 hit tokens to a
+    # request the engine served with 0).
+    ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 0, D, B)])
+    req, full = _requests({"y": (10, [A, B])})
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(1, np.int64))
+    assert owns.tolist() == [-1] and cuts.tolist() == [0]
