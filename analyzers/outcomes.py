@@ -550,8 +550,9 @@ def _with(known: np.ndarray, more: np.ndarray) -> np.ndarray:
 
 
 def _specs_of(saved: str, like: pl.DataFrame) -> pl.DataFrame:
-    """A state's ``prefix_specs`` as a frame of ``_firsts``' columns."""
-    return pl.DataFrame(json.loads(saved), schema=_firsts(like).schema, orient="row")
+    """A state's ``prefix_specs`` as a frame of ``_firsts``' columns (the schema from none of
+    ``like``'s rows: they are the events read, and aggregating them for it took 10 ms a call)."""
+    return pl.DataFrame(json.loads(saved), schema=_firsts(like.clear()).schema, orient="row")
 
 
 def _only(rel: duckdb.DuckDBPyRelation, ids: duckdb.DuckDBPyRelation) -> duckdb.DuckDBPyRelation:
