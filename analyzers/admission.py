@@ -33,8 +33,16 @@ request: the one that stored them may have reached the gateway after this one, s
 server hands requests to the engine core in the order it finishes with them (seen once in CI: the
 same 0 for 160 with the storing request second in arrival order). Where no such place is found,
 it stays at its time.
-Every request of a hybrid model's replica (several KV cache groups, each publishing its own runs,
-a sliding window's with gaps) keeps its time; this rule does not cover them yet.
+A run that ends inside the request's blocks is its own only where a later run continues it (the
+next chunk of a chunked prefill); otherwise it is a shorter prompt's. A block stays held while a
+copy of it does (vLLM caches a block it computes again as a second physical copy).
+
+A hybrid model's replica (several KV cache groups, each publishing its own runs, a sliding
+window's with gaps) is anchored at the runs of its first full-attention group (``anchor_groups``);
+the request's look-up is before its other groups' rows of the same admission, which precede that
+run in the batch. Measured on a real vLLM 0.32 serving a two-group model to six clients
+(tests/data/vllm-concurrent-hybrid-capture): look-ups at their arrival times gave 10 of 360
+requests other hit tokens than the engine's, anchored every request gets the engine's count.
 """
 
 from __future__ import annotations
@@ -45,9 +53,9 @@ from collections.abc import Iterable
 import numpy as np
 import polars as pl
 
-__all__ = ["ADMISSION_WINDOW_NS", "admission_cuts"]
+__all__ = ["ADMISSION_WINDOW_NS", "admission_cuts", "anchor_groups"]
 
-_STORED, _CLEARED = 0, 2  # analyzers/replay.py's event kinds
+_STORED, _REMOVED, _CLEARED = 0, 1, 2  # analyzers/replay.py's event kinds
 # Stores of one block after a request's arrival looked at per block: a block is stored again only
 # after an eviction, so the request's own run is among the first few; the bound keeps a hot block
 # (a system prompt re-stored all day) from making the search quadratic.
@@ -65,10 +73,17 @@ ADMISSION_WINDOW_NS = 600 * 1_000_000_000
 SIMULATED = "sim"
 
 
-def _stored_index(ev_kind: np.ndarray, ev_loc: np.ndarray,
-                  ev_h: np.ndarray) -> dict[tuple[int, int], list[int]]:
-    """Stored rows by (location, block hash), in stream order (one sort, not a dict call per row)."""
-    stored = np.flatnonzero(ev_kind == _STORED)
+def _stored_index(ev_kind: np.ndarray, ev_loc: np.ndarray, ev_h: np.ndarray,
+                  anchored: np.ndarray) -> dict[tuple[int, int], list[int]]:
+    """Stored rows of the anchoring groups (``anchored``: a mask of the rows), by (location, block
+    hash), in stream order."""
+    return _rows_index(ev_loc, ev_h, (ev_kind == _STORED) & anchored)
+
+
+def _rows_index(ev_loc: np.ndarray, ev_h: np.ndarray, mask: np.ndarray) -> dict[tuple[int, int], list[int]]:
+    """The rows of ``mask`` by (location, block hash), in stream order (one sort, not a dict call
+    per row)."""
+    stored = np.flatnonzero(mask)
     if stored.shape[0] == 0:
         return {}
     loc, h = ev_loc[stored].astype(np.int64), ev_h[stored]
@@ -82,29 +97,57 @@ def _stored_index(ev_kind: np.ndarray, ev_loc: np.ndarray,
     return {key: rows[a:b] for key, a, b in zip(keys, starts, ends, strict=True)}
 
 
-def _single_group_locations(ev_loc: np.ndarray, ev_grp: np.ndarray) -> set[int]:
-    """Locations whose events name one KV cache group. A hybrid model's groups each publish their
-    own runs (a sliding window's with gaps): only such a location is anchored; the others keep the
-    time rule. (One key per (location, group) pair: numpy's unique over an axis sorts rows as
-    records, ten times slower on a day's events.)"""
+def anchor_groups(loc_grp: np.ndarray, windows: np.ndarray) -> np.ndarray:
+    """Per location code, the KV cache group code whose runs anchor its requests' admissions (-1:
+    none, its requests keep the time rule): its one group, or for a hybrid model's replica
+    (several groups) the first full-attention one (``windows`` 0; ``loc_grp`` the groups each
+    location publishes). vLLM's coordinator caches a request's new blocks group by group at one
+    admission (kv_cache_coordinator.py::KVCacheCoordinator.cache_blocks calls each manager's
+    ``cache_blocks``, block_pool.py::BlockPool.cache_full_blocks emits one BlockStored each), so
+    the request's events are consecutive in the batch; a full-attention group stores every new
+    full block as one chain, where a sliding window's skips the blocks it can never serve
+    (``block_mask``) and names no parent for its first. (A Mamba group is not told apart from full
+    attention: its hashes are per its own block size, so its runs match no request's blocks and
+    such a request keeps its time.)"""
+    anchors = np.full(loc_grp.shape[0], -1, np.int64)
+    for loc in range(loc_grp.shape[0]):
+        groups = np.flatnonzero(loc_grp[loc])
+        if groups.shape[0] > 1:
+            groups = groups[windows[loc, groups] == 0]
+        if groups.shape[0]:
+            anchors[loc] = groups[0]
+    return anchors
+
+
+def _single_group_anchors(ev_loc: np.ndarray, ev_grp: np.ndarray) -> np.ndarray:
+    """``anchor_groups`` when the groups' windows are not given: a location whose events name one
+    KV cache group is anchored at it, the others keep the time rule. (One key per (location,
+    group) pair: numpy's unique over an axis sorts rows as records, ten times slower on a day's
+    events.)"""
     if ev_loc.shape[0] == 0:
-        return set()
+        return np.zeros(0, np.int64)
     width = int(ev_grp.max()) + 1
     pairs = np.unique(ev_loc.astype(np.int64) * width + ev_grp.astype(np.int64))
     locs, per_loc = np.unique(pairs // width, return_counts=True)
-    return {int(loc) for loc, n in zip(locs.tolist(), per_loc.tolist(), strict=True) if n == 1}
+    anchors = np.full(int(ev_loc.max()) + 1, -1, np.int64)
+    one = per_loc == 1
+    anchors[locs[one]] = pairs[np.searchsorted(pairs // width, locs[one])] % width
+    return anchors
 
 
 def _continues(ev: dict[str, np.ndarray], e: int, prev: int) -> bool:
-    """Row ``e`` is a stored row of the same event as row ``prev``: same replica and chain, and the
+    """Row ``e`` is a stored row of the same event as row ``prev``: same replica, group and chain, and the
     same batch (a simulator that numbers each event on its own stamps one request's at one time)."""
     return (e < ev["ev_kind"].shape[0] and ev["ev_kind"][e] == _STORED
-            and ev["ev_loc"][e] == ev["ev_loc"][prev] and ev["ev_parent"][e] == ev["ev_h"][prev]
+            and ev["ev_loc"][e] == ev["ev_loc"][prev] and ev["ev_grp"][e] == ev["ev_grp"][prev]
+            and ev["ev_parent"][e] == ev["ev_h"][prev]
             and (ev["ev_seq"][e] == ev["ev_seq"][prev] or ev["ev_ts"][e] == ev["ev_ts"][prev]))
 
 
-def _own_run(ev: dict[str, np.ndarray], e: int, chain: list[int], j: int) -> bool:
-    """Rows from ``e`` store ``chain[j:]`` (or its prefix, where the event ends) as one event."""
+def _own_run(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], e: int, chain: list[int],
+             j: int, upto: int) -> bool:
+    """Rows from ``e`` store ``chain[j:]`` as one event, or its prefix where the event ends when a
+    later event continues it (the request's next chunk)."""
     parent = chain[j - 1] if j > 0 else 0
     if ev["ev_parent"][e] != parent or (e > 0 and _continues(ev, e, e - 1)):
         return False
@@ -112,10 +155,29 @@ def _own_run(ev: dict[str, np.ndarray], e: int, chain: list[int], j: int) -> boo
     while True:
         nxt = row + 1
         if not _continues(ev, nxt, row):
-            return True  # the event ends: the request's chunk (or its prompt) ended here
+            return k + 1 >= len(chain) or _next_chunk(ev, index, row, chain, k, upto)
         if k + 1 >= len(chain) or ev["ev_h"][nxt] != chain[k + 1]:
             return False  # the chain goes on with a block of another prompt
         k, row = k + 1, nxt
+
+
+def _next_chunk(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], end: int,
+                chain: list[int], k: int, upto: int) -> bool:
+    """An event after row ``end`` (before ``upto``) on its replica stores ``chain[k + 1:]`` from its
+    parent ``chain[k]`` on as ``_own_run`` does (to the chain's end, or to a chunk continued in
+    turn): the next chunk of a prefill that stopped at ``chain[k]``. A request computes
+    every block after its first computed one (a prefix cache hit is a prefix), and a chunked prefill
+    caches each chunk's full blocks at its step (KVCacheManager.allocate_slots), so a run that ends
+    inside the request's blocks is its own only when its chain goes on; one that does not go on is
+    a shorter prompt's (measured on the hybrid capture: a request whose 12 blocks were all cached
+    took the run of a later 7-block prompt of the same system prompt, stored after an eviction)."""
+    loc = int(ev["ev_loc"][end])
+    for r in index.get((loc, chain[k + 1]), ()):
+        if r >= upto:
+            break
+        if r > end and ev["ev_grp"][r] == ev["ev_grp"][end] and _own_run(ev, index, r, chain, k + 1, upto):
+            return True
+    return False
 
 
 def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
@@ -129,41 +191,64 @@ def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc
         for e in rows[first:first + _CANDIDATES]:
             if e >= upto or (best >= 0 and e >= best):
                 break
-            if e not in claimed and _own_run(ev, e, chain, j):
+            if e not in claimed and _own_run(ev, index, e, chain, j, upto):
                 best = e
                 break
     return best
 
 
-def _held_at(ev: dict[str, np.ndarray], loc: int, h: int, place: int, last_store: int) -> bool:
-    """Block ``h``, last stored on ``loc`` at row ``last_store``, is still there at stream ``place``:
-    no removal of it, nor a clear of ``loc``, between."""
-    kinds, locs = ev["ev_kind"][last_store + 1:place], ev["ev_loc"][last_store + 1:place]
-    removed = (kinds != _STORED) & (ev["ev_h"][last_store + 1:place] == h)
-    gone = (locs == loc) & (removed | (kinds == _CLEARED))
-    return not bool(gone.any())
+class _Copies:
+    """How many copies of a block a location's anchoring group holds at a stream place. vLLM keeps
+    one hash in several physical blocks when it computes a cached block again (a hybrid model's
+    full-attention group does whenever the sliding window cut a hit short: block_pool.py
+    ``cached_block_hash_to_block`` maps a hash to blocks, and each eviction removes one), so a
+    removal leaves the block held while another copy is (the replay counts them the same way); a
+    removal that says how many copies remain (``ev_left`` >= 0) sets the count; a clear empties
+    the location."""
+
+    def __init__(self, ev: dict[str, np.ndarray], stored: dict[tuple[int, int], list[int]],
+                 anchored: np.ndarray) -> None:
+        self._ev, self._stored = ev, stored
+        self._removed = _rows_index(ev["ev_loc"], ev["ev_h"], (ev["ev_kind"] == _REMOVED) & anchored)
+        clears = np.flatnonzero(ev["ev_kind"] == _CLEARED)
+        self._clears: dict[int, list[int]] = {}
+        for row, loc in zip(clears.tolist(), ev["ev_loc"][clears].tolist(), strict=True):
+            self._clears.setdefault(int(loc), []).append(row)
+
+    def held(self, loc: int, h: int, place: int) -> bool:
+        clears = self._clears.get(loc, ())
+        at = bisect.bisect_left(clears, place)
+        since = clears[at - 1] if at else -1
+        stores, removals = self._stored.get((loc, h), ()), self._removed.get((loc, h), ())
+        s0, s1 = bisect.bisect_right(stores, since), bisect.bisect_left(stores, place)
+        r0, r1 = bisect.bisect_right(removals, since), bisect.bisect_left(removals, place)
+        if r1 > r0:
+            last = removals[r1 - 1]
+            left = int(self._ev["ev_left"][last]) if "ev_left" in self._ev else -1
+            if left >= 0:
+                return left + s1 - max(s0, bisect.bisect_right(stores, last)) > 0
+        return (s1 - s0) - (r1 - r0) > 0
 
 
-def _all_held(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
-              start: int, upto: int, claimed: set[int]) -> int:
+def _all_held(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], copies: _Copies, loc: int,
+              chain: list[int], start: int, upto: int, claimed: set[int]) -> int:
     """The first stream place from ``start`` on (at most ``upto``) where ``loc`` holds every block
-    of ``chain``, each from a run some request claimed (``start`` when none is found): a
+    of ``chain``, each last stored by a run some request claimed (``start`` when none is found): a
     request that stored nothing found them all cached. A block held only through a run nobody
     claimed is not taken as a hit (measured live: a request the engine served with 0 hits matched
     no run of its own, and the first place holding its blocks gave it 704 hit tokens)."""
     place = start
     for _ in range(2):  # a later place found for one block is checked again for the others
         for h in chain:
-            rows = index.get((loc, h), ())
-            before = bisect.bisect_left(rows, place) - 1
-            if before >= 0 and _held_at(ev, loc, h, place, rows[before]):
+            if copies.held(loc, h, place):
                 continue
-            later = rows[before + 1] if before + 1 < len(rows) else -1
-            if later < 0 or later >= upto:
+            rows = index.get((loc, h), ())
+            later = bisect.bisect_left(rows, place)
+            if later >= len(rows) or rows[later] >= upto:
                 return start
-            place = later + 1
+            place = rows[later] + 1
     held = [index[(loc, h)][bisect.bisect_left(index[(loc, h)], place) - 1] for h in chain]
-    if all(_held_at(ev, loc, h, place, row) for h, row in zip(chain, held, strict=True)) \
+    if all(copies.held(loc, h, place) for h in chain) \
             and all(_event_start(ev, row) in claimed for row in held):
         return place
     return start
@@ -176,6 +261,31 @@ def _event_start(ev: dict[str, np.ndarray], row: int) -> int:
     return row
 
 
+def _admission_start(ev: dict[str, np.ndarray], own: int, blocks: set[int]) -> int:
+    """The first row of the admission whose anchoring run starts at ``own``: the stored rows just
+    before it, in its batch and on its replica, of other KV cache groups, that store the request's
+    blocks (a hybrid model's other groups cache them first, in group order); ``own`` itself for a
+    single group's.
+
+    The removals just before those are not walked back over, although the request's own
+    allocation makes its evictions before it caches (KVCacheManager.allocate_slots: get_new_blocks,
+    then cache_blocks), after its look-up: a request admitted just before it in the same step that
+    found every block cached evicts without storing, and its removals are indistinguishable from
+    these (walking back over them broke 5 of the concurrent capture's exact hits). The look-up then
+    sees the request's own evictions, which only touch blocks past its hit (its hit blocks were
+    taken first): on the sequential hybrid capture, 105 blocks a full-attention group held past a
+    window's cut read as ``miss_evicted`` where the engine still held them (``miss_group``)."""
+    row = own
+    while row > 0:
+        p = row - 1
+        if not (ev["ev_kind"][p] == _STORED and ev["ev_loc"][p] == ev["ev_loc"][own]
+                and ev["ev_grp"][p] != ev["ev_grp"][own] and int(ev["ev_h"][p]) in blocks
+                and (ev["ev_seq"][p] == ev["ev_seq"][own] or ev["ev_ts"][p] == ev["ev_ts"][own])):
+            break
+        row = p
+    return row
+
+
 def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
     """Events between stream places ``a`` and ``b`` include the shared pool's."""
     lo, hi = min(a, b), max(a, b)
@@ -183,7 +293,8 @@ def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
 
 
 def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, req_loc: np.ndarray,
-                   shared: int = -1, claimed: Iterable[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+                   shared: int = -1, claimed: Iterable[int] = (),
+                   anchors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per request (``req``'s order): how many events of the sorted stream its look-up sees, and
     the stream place of the run it was anchored at (-1: it found none, -2: it keeps the time rule).
 
@@ -195,11 +306,16 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     whose own run lies across events of the shared pool (location ``shared``), whose stores
     another replica's scheduler made: the rule orders one engine's admissions only. ``claimed``:
     runs (their first stored row's place) that requests before these, in look-up order, took.
+    ``anchors``: per location code, the group whose runs anchor it (``anchor_groups``; default:
+    a location publishing one group is anchored at it, the others keep the time rule). A hybrid
+    model's request anchored at its run in that group looks up before the run's batch-mates of its
+    other groups that store its blocks just before it (its own admission's).
     """
     ts = ev["ev_ts"]
     look = req["lookup_ns"].to_numpy()
     by_time = np.searchsorted(ts, look, side="left")
-    single = _single_group_locations(ev["ev_loc"], ev["ev_grp"])
+    if anchors is None:
+        anchors = _single_group_anchors(ev["ev_loc"], ev["ev_grp"])
     # The batch of the admitting step is stamped after the request arrived, and within
     # ADMISSION_WINDOW_NS of its look-up time.
     after = np.searchsorted(ts, req["arrival_ns"].to_numpy(), side="right")
@@ -208,8 +324,9 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     owns = np.full(req.height, -2, np.int64)
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy() if "source" in req.columns \
         else np.zeros(req.height, np.bool_)
-    candidates = np.isin(req_loc, np.fromiter(single, np.int64, len(single))) & ~simulated
-    if not candidates.any():  # every request keeps the time rule (a simulator's, a hybrid model's)
+    known = (req_loc >= 0) & (req_loc < anchors.shape[0])
+    candidates = known & (anchors[np.where(known, req_loc, 0)] >= 0) & ~simulated
+    if not candidates.any():  # every request keeps the time rule (a simulator's, an unanchored replica's)
         return cuts, owns
     chains = dict(full.sort("request_id", "position").group_by("request_id", maintain_order=True)
                   .agg(pl.col("block_hash_i64")).iter_rows())
@@ -218,7 +335,11 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     # request takes the first run no request before it took.
     taken: set[int] = set(claimed)
     anchored = [i for i in np.argsort(look, kind="stable").tolist() if candidates[i] and chains.get(ids[i])]
-    index = _stored_index(ev["ev_kind"], ev["ev_loc"], ev["ev_h"])
+    loc_rows = ev["ev_loc"].astype(np.int64)
+    in_range = (loc_rows >= 0) & (loc_rows < anchors.shape[0])
+    row_anchor = np.where(in_range, anchors[np.where(in_range, loc_rows, 0)], -1)
+    on_anchor = ev["ev_grp"] == row_anchor
+    index = _stored_index(ev["ev_kind"], ev["ev_loc"], ev["ev_h"], on_anchor)
     unfound = []
     for i in anchored:
         own = _cut(ev, index, int(req_loc[i]), chains[ids[i]], int(after[i]), int(upto[i]), taken)
@@ -231,11 +352,13 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
         # after admitting (a simulator stamps a request's stores at its look-up: the time
         # rule is already exact there).
         if ts[own] > look[i] and not _crosses(ev["ev_loc"], int(by_time[i]), own, shared):
-            cuts[i] = own
+            cuts[i] = _admission_start(ev, own, set(chains[ids[i]]))
     # A request that stored nothing found its blocks cached by runs the engine admitted before it,
     # whoever claimed them: the gateway's arrival order is not the engine core's (the API server
     # hands requests on in the order it finishes with them), so a run claimed by a request that
     # arrived after it can still be the one it found (CI, live: 0 hit tokens where the engine had 160).
+    copies = _Copies(ev, index, on_anchor)
     for i in unfound:
-        cuts[i] = _all_held(ev, index, int(req_loc[i]), chains[ids[i]], int(by_time[i]), int(upto[i]), taken)
+        cuts[i] = _all_held(ev, index, copies, int(req_loc[i]), chains[ids[i]], int(by_time[i]), int(upto[i]),
+                            taken)
     return cuts, owns

@@ -26,7 +26,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.admission import SIMULATED, admission_cuts
+from kvlens.analyzers.admission import SIMULATED, admission_cuts, anchor_groups
 from kvlens.analyzers.ledger_state import LedgerState, checkpoint
 from kvlens.analyzers.partitions import Partitions, replay_partitioned_state
 from kvlens.analyzers.replay import (
@@ -195,12 +195,12 @@ class _CannotContinue(Exception):
 
 
 def _admitted(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
-              locs: _Codes) -> tuple[pl.DataFrame, pl.DataFrame]:
+              locs: _Codes, anchors: np.ndarray) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Requests (with ``cut``, the look-up's place in the event stream, and ``own``, admission's
     run place) and blocks, in look-up order."""
     hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
     cuts, own = admission_cuts(ev, req, hashed, locs.encode(req["replica"]),
-                               locs.index.get(POOL_LOCATION, -1))
+                               locs.index.get(POOL_LOCATION, -1), anchors=anchors)
     return _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64), own=pl.Series(own, dtype=pl.Int64)),
                     full)
 
@@ -314,12 +314,13 @@ def ledger_outcomes(
     locs, spaces = _Codes(), _Codes()
     ev, specs, group_idx = _events(kv_events, locs, spaces)
     event_locs = len(locs.names)
-    req, full = _admitted(ev, req, full, locs)
-    req_loc = locs.encode(req["replica"])
-    blk_ns = spaces.encode(full["namespace"], null=-1)
+    locs.encode(req["replica"])  # replicas without events: codes after the event locations
     n_locs = max(len(locs.names), 1)
     loc_grp = loc_groups(ev["ev_kind"], ev["ev_loc"], ev["ev_grp"], n_locs, len(group_idx))
     windows = _windows(_firsts(specs), group_idx, n_locs)
+    req, full = _admitted(ev, req, full, locs, anchor_groups(loc_grp, windows))
+    req_loc = locs.encode(req["replica"])
+    blk_ns = spaces.encode(full["namespace"], null=-1)
     mark = None
     if horizon_ns is not None and not req["arrival_ns"].is_null().any():
         mark = checkpoint(ev["ev_ts"], 0, None, horizon_ns, req["lookup_ns"].to_numpy(),
@@ -386,13 +387,14 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     req = req.filter(pl.col("lookup_ns") >= t_c)
     full = full.join(req.select("request_id"), on="request_id", how="semi")
     locs, spaces = _Codes(st.locations), _Codes(st.namespaces)
-    single = np.flatnonzero(st.loc_grp.sum(axis=1) == 1)
+    anchors = anchor_groups(st.loc_grp, st.windows)
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy()
     has_blocks = req["request_id"].is_in(full["request_id"].unique()).to_numpy()
-    on_single = req["replica"].is_in([st.locations[i] for i in single]).fill_null(False).to_numpy()
+    on_anchor = req["replica"].is_in([st.locations[i] for i in np.flatnonzero(anchors >= 0)]) \
+        .fill_null(False).to_numpy()
     # Anchored at their own stores (a real vLLM's requests): admission reads the whole stream, so
     # the replay's events are its suffix from the checkpoint on, not a second read of the lake.
-    anchored = bool((on_single & ~simulated & has_blocks).any())
+    anchored = bool((on_anchor & ~simulated & has_blocks).any())
     if anchored:
         whole, specs, group_idx = _events(kv_events, locs, spaces, st.group_idx)
         start = int(np.searchsorted(whole["ev_ts"], t_c, side="left"))
@@ -423,7 +425,7 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     if not np.array_equal(windows, st.windows):
         raise _CannotContinue("a KV cache group's sliding window changed")
     if anchored:
-        cuts, owns = _admitted_after(whole, req, full, locs, st)
+        cuts, owns = _admitted_after(whole, req, full, locs, st, anchors)
         req, full = _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64),
                                               own=pl.Series(owns, dtype=pl.Int64)), full.drop("cut"))
         req_loc = locs.encode(req["replica"])
@@ -508,7 +510,7 @@ def rows_of(rows: duckdb.DuckDBPyRelation | Prefetch) -> pl.DataFrame:
 
 
 def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, locs: _Codes,
-                    st: LedgerState) -> tuple[np.ndarray, np.ndarray]:
+                    st: LedgerState, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Admission (analyzers/admission.py) of the requests after the checkpoint, in ``req``'s order:
     over the whole event stream (a request's own run, or the stores it found held, may lie before
     the checkpoint), with the runs the settled requests claimed taken already. The settled
@@ -516,7 +518,7 @@ def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataF
     makes before it reaches these requests: the cuts are a full admission's."""
     hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
     return admission_cuts(ev, req, hashed, locs.encode(req["replica"]), locs.index.get(POOL_LOCATION, -1),
-                          claimed=st.claimed.tolist())
+                          claimed=st.claimed.tolist(), anchors=anchors)
 
 
 def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray], specs: pl.DataFrame,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.admission import ADMISSION_WINDOW_NS, admission_cuts
+from kvlens.analyzers.admission import ADMISSION_WINDOW_NS, admission_cuts, anchor_groups
 
-A, B, C, D = 11, 12, 13, 14
+A, B, C, D, E = 11, 12, 13, 14, 15
 
 
 def _stream(rows: list[tuple[int, int, int, int]]) -> dict[str, np.ndarray]:
@@ -92,3 +92,67 @@ def test_a_run_nobody_claims_is_still_not_a_hit() -> None:
     req, full = _requests({"y": (10, [A, B])})
     cuts, owns = admission_cuts(ev, req, full, np.zeros(1, np.int64))
     assert owns.tolist() == [-1] and cuts.tolist() == [0]
+
+
+def test_a_prefix_run_is_a_request_s_only_when_its_next_chunk_follows() -> None:
+    # y (A B C D) found every block cached and stored nothing; later, after an eviction, x (A B, a
+    # shorter prompt of the same system prompt) stores A B. That run ends inside y's blocks, and
+    # nothing continues it with C after B: it is x's, not a first chunk of y's (which y, earlier in
+    # look-up order, took before). With a run of C D from B following, A B is y's first chunk.
+    held = [(5, 0, A, 0), (5, 0, B, A), (5, 0, C, B), (5, 0, D, C)]
+    ev = _stream([*held, (100, 1, A, 0), (100, 1, B, 0), (200, 0, A, 0), (200, 0, B, A)])
+    req, full = _requests({"y": (10, [A, B, C, D]), "x": (150, [A, B])})
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    assert owns.tolist() == [-1, 6] and cuts.tolist() == [4, 6]  # y at its time (all held), x its run
+    chunked = _stream([(100, 0, A, 0), (100, 0, B, A), (200, 0, C, B), (200, 0, D, C)])
+    req, full = _requests({"y": (10, [A, B, C, D])})
+    _, owns = admission_cuts(chunked, req, full, np.zeros(1, np.int64))
+    assert owns.tolist() == [0]
+
+
+def test_a_block_with_a_second_copy_stays_held_after_one_removal() -> None:
+    # A stored twice (vLLM computed it again: a second physical block), one copy evicted: y, which
+    # stored nothing, still found A cached at its time, not only after w's later store of A D.
+    ev = _stream([(5, 0, A, 0), (6, 0, A, 0), (7, 1, A, 0), (300, 0, A, 0), (300, 0, D, A)])
+    req, full = _requests({"x": (1, [A]), "z": (4, [A]), "y": (10, [A]), "w": (250, [A, D])})
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(4, np.int64))
+    assert owns.tolist() == [0, 1, -1, 3]  # x, z and w took the three stores, y none
+    assert cuts.tolist()[2] == 3  # y at its time: A still held (one copy left), not after w's run
+
+
+def _hybrid(rows: list[tuple[int, int, int, int, int]]) -> dict[str, np.ndarray]:
+    """(ts, kind, group, hash, parent) rows of one replica with two KV cache groups."""
+    ts, kind, grp, h, parent = (np.array(col, np.int64) for col in zip(*rows, strict=True))
+    return {"ev_ts": ts, "ev_kind": kind.astype(np.int8), "ev_loc": np.zeros(len(rows), np.int32),
+            "ev_grp": grp.astype(np.int32), "ev_h": h, "ev_seq": ts // 100, "ev_parent": parent}
+
+
+def test_a_hybrid_request_is_anchored_at_its_full_attention_run_and_looks_up_before_its_window_s() -> None:
+    # Group 0 a sliding window, group 1 full attention. x (A B C) and y (A B, a partial tail) arrive
+    # before the step that admits both, x first: x caches C in the window group (its other blocks
+    # can never serve a hit there: no parent named) and A B C in the full group; y finds A and B
+    # cached and stores nothing. x looks up before its window-group row; y after x's rows.
+    loc_grp, windows = np.array([[True, True]]), np.array([[128, 0]])
+    anchors = anchor_groups(loc_grp, windows)
+    assert anchors.tolist() == [1]
+    ev = _hybrid([(100, 0, 0, C, 0), (100, 0, 1, A, 0), (100, 0, 1, B, A), (100, 0, 1, C, B)])
+    req, full = _requests({"x": (10, [A, B, C]), "y": (20, [A, B])})
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64), anchors=anchors)
+    assert owns.tolist() == [1, -1] and cuts.tolist() == [0, 3]
+    # without windows (one location, two groups), every request keeps its time
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    assert owns.tolist() == [-2, -2] and cuts.tolist() == [0, 0]
+    # a window group's removal of B does not evict the full group's copy
+    ev = _hybrid([(5, 0, 0, A, 0), (5, 0, 1, A, 0), (5, 0, 0, B, A), (5, 0, 1, B, A), (7, 1, 0, B, 0),
+                  (100, 0, 1, E, 0)])
+    req, full = _requests({"y": (20, [A, B])})
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(1, np.int64), anchors=anchors)
+    assert owns.tolist() == [-1] and cuts.tolist() == [5]
+
+
+def test_anchor_groups() -> None:
+    loc_grp = np.array([[True, False, False], [True, True, True], [False, True, True], [False, False, False]])
+    windows = np.array([[128, 0, 0], [128, 0, 0], [64, 128, 0], [0, 0, 0]])
+    # one group: that one, even a window's; several: the first without a window; none: -1
+    assert anchor_groups(loc_grp, windows).tolist() == [0, 1, 2, -1]
+    assert anchor_groups(np.array([[True, True]]), np.array([[64, 128]])).tolist() == [-1]

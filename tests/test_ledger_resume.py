@@ -4,9 +4,10 @@ The lake is cut at a time x: the *old* lake holds every row stamped before x (ro
 too), the *new* one every row. The ledger of the old lake, with a checkpoint at most x, continued
 over the new lake must equal the new lake's ledger replayed from the start, row for row, in order;
 where the state does not cover the new lake the continuation is refused, says why, and the rows
-are still a full replay's. Three lakes: a simulated fleet with a pool (the time rule: it
-continues), a real vLLM capture (requests anchored at their own stores: refused), a real hybrid
-capture (two KV cache groups: the time rule, it continues).
+are still a full replay's. Four lakes: a simulated fleet with a pool (the time rule: it
+continues), a real vLLM capture (requests anchored at their own stores), and two real hybrid
+captures (two KV cache groups, anchored at the full-attention group's stores; one client, and six
+at once).
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
                      "tiny-gemma2")
 
 
+@pytest.fixture(scope="module")
+def concurrent_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _captured(tmp_path_factory.mktemp("resume-concurrent-hybrid"),
+                     DATA / "vllm-concurrent-hybrid-capture", "tiny-gemma2")
+
+
 @pytest.fixture
 def con() -> Iterator[duckdb.DuckDBPyConnection]:
     c = duckdb.connect()
@@ -141,10 +148,11 @@ _CUTS = settings(max_examples=6, deadline=None, suppress_health_check=[HealthChe
 @pytest.mark.parametrize("name", ["simulated", "hybrid"])
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
-def test_a_lake_on_the_time_rule_continues_from_any_cut(name: str, request: pytest.FixtureRequest,
-                                                       con: duckdb.DuckDBPyConnection, at: float) -> None:
-    """The simulated fleet, and the hybrid capture (two KV cache groups: every request keeps the
-    time rule, the state carries both groups): the settled requests are not replayed."""
+def test_a_lake_continues_from_any_cut(name: str, request: pytest.FixtureRequest,
+                                       con: duckdb.DuckDBPyConnection, at: float) -> None:
+    """The simulated fleet (the time rule), and the hybrid capture (two KV cache groups, anchored at
+    the full-attention group's stores; the state carries both groups): the settled requests are not
+    replayed."""
     lake: Lake = request.getfixturevalue(name)
     x = lake.first + round((lake.last - lake.first) * at)
     _, resumed, full = _continued_and_full(con, lake, x)
@@ -152,15 +160,19 @@ def test_a_lake_on_the_time_rule_continues_from_any_cut(name: str, request: pyte
     assert resumed.replayed < full.replayed
 
 
+@pytest.mark.parametrize("name", ["captured", "concurrent_hybrid"])
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
-def test_a_capture_anchored_at_its_stores_continues(captured: Lake, con: duckdb.DuckDBPyConnection,
+def test_a_capture_anchored_at_its_stores_continues(name: str, request: pytest.FixtureRequest,
+                                                     con: duckdb.DuckDBPyConnection,
                                                      at: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real vLLM capture: its requests are admitted at their own stores (analyzers/admission.py);
-    the state carries the runs settled requests claimed, and the rest are admitted over the whole
+    """The real vLLM captures (one group; and a hybrid model's, two, with six clients at once): their
+    requests are admitted at their own stores (analyzers/admission.py); the state carries the runs
+    settled requests claimed, and the rest are admitted over the whole
     stream: equal to a full replay. The capture lasts 5 s, so admission's window (10 minutes in
     production, the longest a request's run may follow its look-up) is cut to 0.5 s here: requests
     that found no run of their own then settle too, and later cuts replay fewer requests."""
+    captured: Lake = request.getfixturevalue(name)
     monkeypatch.setattr(admission, "ADMISSION_WINDOW_NS", 500_000_000)
     x = captured.first + round((captured.last - captured.first) * at)
     _, resumed, full = _continued_and_full(con, captured, x)

@@ -144,13 +144,20 @@ def _wait_healthy(url: str, engine: subprocess.Popen[bytes], timeout_s: float = 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vllm-python", required=True)
+    ap.add_argument("--arch", choices=("llama", "gemma2"), default="llama",
+                    help="gemma2: the hybrid model (a sliding-window and a full-attention KV cache group "
+                         "in one pool, which needs 160 blocks: make_tiny_model.py)")
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="kvlens-capture-"))
-    model = work / "tiny"
-    subprocess.run([args.vllm_python, str(HERE / "make_tiny_model.py"), str(model)], check=True, timeout=600)
+    model = work / ("tiny" if args.arch == "llama" else "tiny-gemma2")
+    subprocess.run([args.vllm_python, str(HERE / "make_tiny_model.py"), str(model), args.arch], check=True,
+                   timeout=600)
+    flags = list(ENGINE_FLAGS)
+    if args.arch == "gemma2":  # two groups share the pool: a 2,048-token request needs 64 blocks in each
+        flags[flags.index("--num-gpu-blocks-override") + 1] = "160"
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     ev_port, replay_port, api = _port(), _port(), _port()
     spans = _Spans(out)
@@ -159,9 +166,9 @@ def main() -> None:
     stop = threading.Event()
     sub = _subscriber(ctx, ev_port, out, stop)
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ev_port}",
-              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": "kv@replica-a@tiny"}
+              "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": f"kv@replica-a@{model.name}"}
     cmd = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host",
-           "127.0.0.1", "--port", str(api), *ENGINE_FLAGS, "--otlp-traces-endpoint",
+           "127.0.0.1", "--port", str(api), *flags, "--otlp-traces-endpoint",
            f"http://127.0.0.1:{spans.server_address[1]}/v1/traces", "--kv-events-config", json.dumps(events)]
     (out / "engine_cmd.json").write_text(json.dumps({"argv": cmd[1:], "env": ENGINE_ENV}, indent=1) + "\n")
     with open(work / "engine.log", "wb") as log:
