@@ -53,6 +53,8 @@ from collections.abc import Iterable
 import numpy as np
 import polars as pl
 
+from kvlens.analyzers.replay import loc_groups
+
 __all__ = ["ADMISSION_WINDOW_NS", "admission_cuts", "anchor_groups"]
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2  # analyzers/replay.py's event kinds
@@ -73,13 +75,6 @@ ADMISSION_WINDOW_NS = 600 * 1_000_000_000
 SIMULATED = "sim"
 
 
-def _stored_index(ev_kind: np.ndarray, ev_loc: np.ndarray, ev_h: np.ndarray,
-                  anchored: np.ndarray) -> dict[tuple[int, int], list[int]]:
-    """Stored rows of the anchoring groups (``anchored``: a mask of the rows), by (location, block
-    hash), in stream order."""
-    return _rows_index(ev_loc, ev_h, (ev_kind == _STORED) & anchored)
-
-
 def _rows_index(ev_loc: np.ndarray, ev_h: np.ndarray, mask: np.ndarray) -> dict[tuple[int, int], list[int]]:
     """The rows of ``mask`` by (location, block hash), in stream order (one sort, not a dict call
     per row)."""
@@ -97,12 +92,13 @@ def _rows_index(ev_loc: np.ndarray, ev_h: np.ndarray, mask: np.ndarray) -> dict[
     return {key: rows[a:b] for key, a, b in zip(keys, starts, ends, strict=True)}
 
 
-def anchor_groups(loc_grp: np.ndarray, windows: np.ndarray) -> np.ndarray:
+def anchor_groups(loc_grp: np.ndarray, windows: np.ndarray | None = None) -> np.ndarray:
     """Per location code, the KV cache group code whose runs anchor its requests' admissions (-1:
     none, its requests keep the time rule): its one group, or for a hybrid model's replica
     (several groups) the first full-attention one (``windows`` 0; ``loc_grp`` the groups each
-    location publishes). vLLM's coordinator caches a request's new blocks group by group at one
-    admission (kv_cache_coordinator.py::KVCacheCoordinator.cache_blocks calls each manager's
+    location publishes; without ``windows``, a location of several groups has none). vLLM's
+    coordinator caches a request's new blocks group by group at one admission
+    (kv_cache_coordinator.py::KVCacheCoordinator.cache_blocks calls each manager's
     ``cache_blocks``, block_pool.py::BlockPool.cache_full_blocks emits one BlockStored each), so
     the request's events are consecutive in the batch; a full-attention group stores every new
     full block as one chain, where a sliding window's skips the blocks it can never serve
@@ -113,25 +109,9 @@ def anchor_groups(loc_grp: np.ndarray, windows: np.ndarray) -> np.ndarray:
     for loc in range(loc_grp.shape[0]):
         groups = np.flatnonzero(loc_grp[loc])
         if groups.shape[0] > 1:
-            groups = groups[windows[loc, groups] == 0]
+            groups = groups[windows[loc, groups] == 0] if windows is not None else groups[:0]
         if groups.shape[0]:
             anchors[loc] = groups[0]
-    return anchors
-
-
-def _single_group_anchors(ev_loc: np.ndarray, ev_grp: np.ndarray) -> np.ndarray:
-    """``anchor_groups`` when the groups' windows are not given: a location whose events name one
-    KV cache group is anchored at it, the others keep the time rule. (One key per (location,
-    group) pair: numpy's unique over an axis sorts rows as records, ten times slower on a day's
-    events.)"""
-    if ev_loc.shape[0] == 0:
-        return np.zeros(0, np.int64)
-    width = int(ev_grp.max()) + 1
-    pairs = np.unique(ev_loc.astype(np.int64) * width + ev_grp.astype(np.int64))
-    locs, per_loc = np.unique(pairs // width, return_counts=True)
-    anchors = np.full(int(ev_loc.max()) + 1, -1, np.int64)
-    one = per_loc == 1
-    anchors[locs[one]] = pairs[np.searchsorted(pairs // width, locs[one])] % width
     return anchors
 
 
@@ -147,37 +127,47 @@ def _continues(ev: dict[str, np.ndarray], e: int, prev: int) -> bool:
 def _own_run(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], e: int, chain: list[int],
              j: int, upto: int) -> bool:
     """Rows from ``e`` store ``chain[j:]`` as one event, or its prefix where the event ends when a
-    later event continues it (the request's next chunk)."""
+    later event (before ``upto``) continues it the same way: the request's next chunk. A request
+    computes every block after its first computed one (a prefix cache hit is a prefix), and a
+    chunked prefill caches each chunk's full blocks at its step (KVCacheManager.allocate_slots), so
+    a run that ends inside the request's blocks is its own only when its chain goes on; one that
+    does not go on is a shorter prompt's (measured on the hybrid capture: a request whose 12 blocks
+    were all cached took the run of a later 7-block prompt of the same system prompt, stored after
+    an eviction). The chunks are followed in a loop, each candidate once, and at most
+    ``_CANDIDATES`` stores of a block after a chunk's end (a hot block is stored all day)."""
+    pending, seen = [(e, j)], set()
+    while pending:
+        e, j = pending.pop()
+        end = _event_end(ev, e, chain, j)
+        if end < 0:
+            continue
+        k = j + end - e  # the chain position the event ends at
+        if k + 1 >= len(chain):
+            return True
+        rows = index.get((int(ev["ev_loc"][end]), chain[k + 1]), ())
+        first = bisect.bisect_right(rows, end)
+        for r in rows[first:first + _CANDIDATES]:
+            if r >= upto:
+                break
+            if ev["ev_grp"][r] == ev["ev_grp"][end] and r not in seen:
+                seen.add(r)
+                pending.append((r, k + 1))
+    return False
+
+
+def _event_end(ev: dict[str, np.ndarray], e: int, chain: list[int], j: int) -> int:
+    """The last row of the event that starts at row ``e`` storing ``chain[j], chain[j + 1], ...`` (its
+    parent ``chain[j - 1]``), ending within the chain; -1 when row ``e`` starts no such event (it
+    continues another, names another parent, or the event goes on with a block of another prompt)."""
     parent = chain[j - 1] if j > 0 else 0
     if ev["ev_parent"][e] != parent or (e > 0 and _continues(ev, e, e - 1)):
-        return False
+        return -1
     k, row = j, e
-    while True:
-        nxt = row + 1
-        if not _continues(ev, nxt, row):
-            return k + 1 >= len(chain) or _next_chunk(ev, index, row, chain, k, upto)
-        if k + 1 >= len(chain) or ev["ev_h"][nxt] != chain[k + 1]:
-            return False  # the chain goes on with a block of another prompt
-        k, row = k + 1, nxt
-
-
-def _next_chunk(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], end: int,
-                chain: list[int], k: int, upto: int) -> bool:
-    """An event after row ``end`` (before ``upto``) on its replica stores ``chain[k + 1:]`` from its
-    parent ``chain[k]`` on as ``_own_run`` does (to the chain's end, or to a chunk continued in
-    turn): the next chunk of a prefill that stopped at ``chain[k]``. A request computes
-    every block after its first computed one (a prefix cache hit is a prefix), and a chunked prefill
-    caches each chunk's full blocks at its step (KVCacheManager.allocate_slots), so a run that ends
-    inside the request's blocks is its own only when its chain goes on; one that does not go on is
-    a shorter prompt's (measured on the hybrid capture: a request whose 12 blocks were all cached
-    took the run of a later 7-block prompt of the same system prompt, stored after an eviction)."""
-    loc = int(ev["ev_loc"][end])
-    for r in index.get((loc, chain[k + 1]), ()):
-        if r >= upto:
-            break
-        if r > end and ev["ev_grp"][r] == ev["ev_grp"][end] and _own_run(ev, index, r, chain, k + 1, upto):
-            return True
-    return False
+    while _continues(ev, row + 1, row):
+        if k + 1 >= len(chain) or ev["ev_h"][row + 1] != chain[k + 1]:
+            return -1
+        k, row = k + 1, row + 1
+    return row
 
 
 def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
@@ -307,7 +297,7 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     another replica's scheduler made: the rule orders one engine's admissions only. ``claimed``:
     runs (their first stored row's place) that requests before these, in look-up order, took.
     ``anchors``: per location code, the group whose runs anchor it (``anchor_groups``; default:
-    a location publishing one group is anchored at it, the others keep the time rule). A hybrid
+    from the events, without windows: a location publishing one group is anchored at it). A hybrid
     model's request anchored at its run in that group looks up before the run's batch-mates of its
     other groups that store its blocks just before it (its own admission's).
     """
@@ -315,7 +305,9 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     look = req["lookup_ns"].to_numpy()
     by_time = np.searchsorted(ts, look, side="left")
     if anchors is None:
-        anchors = _single_group_anchors(ev["ev_loc"], ev["ev_grp"])
+        n_locs = int(ev["ev_loc"].max()) + 1 if ev["ev_loc"].shape[0] else 0
+        n_groups = int(ev["ev_grp"].max()) + 1 if ev["ev_grp"].shape[0] else 0
+        anchors = anchor_groups(loc_groups(ev["ev_kind"], ev["ev_loc"], ev["ev_grp"], n_locs, n_groups))
     # The batch of the admitting step is stamped after the request arrived, and within
     # ADMISSION_WINDOW_NS of its look-up time.
     after = np.searchsorted(ts, req["arrival_ns"].to_numpy(), side="right")
@@ -339,7 +331,7 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     in_range = (loc_rows >= 0) & (loc_rows < anchors.shape[0])
     row_anchor = np.where(in_range, anchors[np.where(in_range, loc_rows, 0)], -1)
     on_anchor = ev["ev_grp"] == row_anchor
-    index = _stored_index(ev["ev_kind"], ev["ev_loc"], ev["ev_h"], on_anchor)
+    index = _rows_index(ev["ev_loc"], ev["ev_h"], (ev["ev_kind"] == _STORED) & on_anchor)
     unfound = []
     for i in anchored:
         own = _cut(ev, index, int(req_loc[i]), chains[ids[i]], int(after[i]), int(upto[i]), taken)
