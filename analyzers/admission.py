@@ -43,12 +43,22 @@ the request's look-up is before its other groups' rows of the same admission, wh
 run in the batch. Measured on a real vLLM 0.32 serving a two-group model to six clients
 (tests/data/vllm-concurrent-hybrid-capture): look-ups at their arrival times gave 10 of 360
 requests other hit tokens than the engine's, anchored every request gets the engine's count.
+A hybrid request that stored nothing found, in every group, the blocks its hit of all its blocks
+needed: the full-attention group's, and the tail a sliding window group's hit needs
+(``_window_tail``), so it looks up where both are held (where none holds them, the full-attention
+group's blocks alone place it). Measured on the same model with a KV cache too small for its sixteen
+clients (tests/data/vllm-preempting-hybrid-capture: requests queue for blocks, 20 preemptions): placed
+by the full-attention group alone, a request queued 117 ms read 32 hit tokens at its arrival, where
+the window group had just evicted two of its blocks and the engine had 96; with the tail, every
+request of 960 gets the engine's count. A preempted request is counted at its first admission, as
+vLLM reports it (scheduler.py: ``prefill_stats.set`` only while ``num_preemptions <= 0``).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import numpy as np
 import polars as pl
@@ -220,28 +230,52 @@ class _Copies:
         return (s1 - s0) - (r1 - r0) > 0
 
 
-def _all_held(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], copies: _Copies, loc: int,
-              chain: list[int], start: int, upto: int, claimed: set[int]) -> int:
-    """The first stream place from ``start`` on (at most ``upto``) where ``loc`` holds every block
-    of ``chain``, each last stored by a run some request claimed (``start`` when none is found): a
-    request that stored nothing found them all cached. A block held only through a run nobody
-    claimed is not taken as a hit (measured live: a request the engine served with 0 hits matched
-    no run of its own, and the first place holding its blocks gave it 704 hit tokens)."""
+def _all_held(ev: dict[str, np.ndarray], needs: list[_Need], loc: int, start: int, upto: int,
+              claimed: set[int]) -> int:
+    """The first stream place from ``start`` on (at most ``upto``) where ``loc`` holds, in each KV
+    cache group of ``needs`` (the anchoring group first), the blocks the look-up needs there, those
+    of the anchoring group each last stored by a run some request claimed (``start`` when none is
+    found): a request that stored nothing found them all cached. A block held only through a run
+    nobody claimed is not taken as a hit (measured live: a request the engine served with 0 hits
+    matched no run of its own, and the first place holding its blocks gave it 704 hit tokens)."""
     place = start
-    for _ in range(2):  # a later place found for one block is checked again for the others
-        for h in chain:
-            if copies.held(loc, h, place):
-                continue
-            rows = index.get((loc, h), ())
-            later = bisect.bisect_left(rows, place)
-            if later >= len(rows) or rows[later] >= upto:
-                return start
-            place = rows[later] + 1
-    held = [index[(loc, h)][bisect.bisect_left(index[(loc, h)], place) - 1] for h in chain]
-    if all(copies.held(loc, h, place) for h in chain) \
+    for _ in range(2 * len(needs)):  # a later place found for one block is checked again for the others
+        moved = False
+        for need in needs:
+            for h in need.blocks:
+                if need.copies.held(loc, h, place):
+                    continue
+                rows = need.stores.get((loc, h), ())
+                later = bisect.bisect_left(rows, place)
+                if later >= len(rows) or rows[later] >= upto:
+                    return start
+                place, moved = rows[later] + 1, True
+        if not moved:
+            break
+    stores = [needs[0].stores[(loc, h)] for h in needs[0].blocks]  # the anchoring group's
+    held = [rows[bisect.bisect_left(rows, place) - 1] for rows in stores]
+    if all(need.copies.held(loc, h, place) for need in needs for h in need.blocks) \
             and all(_event_start(ev, row) in claimed for row in held):
         return place
     return start
+
+
+class _Need(NamedTuple):
+    """Blocks a look-up needs held in one KV cache group, and that group's stores and copies."""
+    blocks: list[int]
+    stores: dict[tuple[int, int], list[int]]
+    copies: _Copies
+
+
+def _window_tail(chain: list[int], window: int, block_size: int) -> list[int]:
+    """The blocks of ``chain`` a sliding window group must hold for a hit of the whole chain: the
+    last ``cdiv(window - 1, block_size)`` (all of a shorter chain). vLLM's
+    single_type_kv_cache_manager.py::SlidingWindowManager.find_longest_cache_hit scans from the
+    right for that many contiguous cached blocks (``_contiguous_blocks_for_hit``; one more with an
+    EAGLE drafter, which the lake does not record), and without them keeps the contiguous cached
+    run from block 0, which is the whole chain only when every block of it is cached."""
+    need = -(-(window - 1) // block_size)
+    return chain[max(0, len(chain) - need):]
 
 
 def _event_start(ev: dict[str, np.ndarray], row: int) -> int:
@@ -284,7 +318,8 @@ def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
 
 def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, req_loc: np.ndarray,
                    shared: int = -1, claimed: Iterable[int] = (),
-                   anchors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                   anchors: np.ndarray | None = None,
+                   windows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Per request (``req``'s order): how many events of the sorted stream its look-up sees, and
     the stream place of the run it was anchored at (-1: it found none, -2: it keeps the time rule).
 
@@ -299,7 +334,11 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     ``anchors``: per location code, the group whose runs anchor it (``anchor_groups``; default:
     from the events, without windows: a location publishing one group is anchored at it). A hybrid
     model's request anchored at its run in that group looks up before the run's batch-mates of its
-    other groups that store its blocks just before it (its own admission's).
+    other groups that store its blocks just before it (its own admission's). ``windows``: per
+    location and group code, the sliding window in tokens of each group the location publishes
+    (0: full attention, or a group it does not publish); a request that stored nothing then also
+    needs each window group's tail of its blocks held (``_window_tail``), which the engine's hit of
+    every block took; where no place holds them, the anchoring group's blocks alone place it.
     """
     ts = ev["ev_ts"]
     look = req["lookup_ns"].to_numpy()
@@ -349,8 +388,23 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     # whoever claimed them: the gateway's arrival order is not the engine core's (the API server
     # hands requests on in the order it finishes with them), so a run claimed by a request that
     # arrived after it can still be the one it found (CI, live: 0 hit tokens where the engine had 160).
-    copies = _Copies(ev, index, on_anchor)
+    anchor_need = _Copies(ev, index, on_anchor)
+    sliding: dict[int, tuple[dict[tuple[int, int], list[int]], _Copies]] = {}
+    sizes = req["block_size"].fill_null(0).to_numpy() if "block_size" in req.columns and unfound \
+        else np.zeros(req.height, np.int64)
+    tails = np.zeros((0, 0), np.int64) if windows is None else windows
     for i in unfound:
-        cuts[i] = _all_held(ev, index, copies, int(req_loc[i]), chains[ids[i]], int(by_time[i]), int(upto[i]),
-                            taken)
+        loc, chain = int(req_loc[i]), chains[ids[i]]
+        needs = [_Need(chain, index, anchor_need)]
+        groups = np.flatnonzero(tails[loc] > 0).tolist() if sizes[i] > 0 and loc < tails.shape[0] else []
+        for g in groups:
+            if g not in sliding:
+                in_group = ev["ev_grp"] == g
+                g_index = _rows_index(ev["ev_loc"], ev["ev_h"], (ev["ev_kind"] == _STORED) & in_group)
+                sliding[g] = (g_index, _Copies(ev, g_index, in_group))
+            needs.append(_Need(_window_tail(chain, int(tails[loc, g]), int(sizes[i])), *sliding[g]))
+        cut = _all_held(ev, needs, loc, int(by_time[i]), int(upto[i]), taken)
+        if cut == by_time[i] and len(needs) > 1:  # no place holds every group's: the anchoring group's
+            cut = _all_held(ev, needs[:1], loc, int(by_time[i]), int(upto[i]), taken)
+        cuts[i] = cut
     return cuts, owns

@@ -195,12 +195,13 @@ class _CannotContinue(Exception):
 
 
 def _admitted(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
-              locs: _Codes, anchors: np.ndarray) -> tuple[pl.DataFrame, pl.DataFrame]:
+              locs: _Codes, loc_grp: np.ndarray, windows: np.ndarray) -> tuple[pl.DataFrame, pl.DataFrame]:
     """Requests (with ``cut``, the look-up's place in the event stream, and ``own``, admission's
     run place) and blocks, in look-up order."""
     hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
     cuts, own = admission_cuts(ev, req, hashed, locs.encode(req["replica"]),
-                               locs.index.get(POOL_LOCATION, -1), anchors=anchors)
+                               locs.index.get(POOL_LOCATION, -1), anchors=anchor_groups(loc_grp, windows),
+                               windows=np.where(loc_grp, windows, 0))
     return _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64), own=pl.Series(own, dtype=pl.Int64)),
                     full)
 
@@ -318,7 +319,7 @@ def ledger_outcomes(
     n_locs = max(len(locs.names), 1)
     loc_grp = loc_groups(ev["ev_kind"], ev["ev_loc"], ev["ev_grp"], n_locs, len(group_idx))
     windows = _windows(_firsts(specs), group_idx, n_locs)
-    req, full = _admitted(ev, req, full, locs, anchor_groups(loc_grp, windows))
+    req, full = _admitted(ev, req, full, locs, loc_grp, windows)
     req_loc = locs.encode(req["replica"])
     blk_ns = spaces.encode(full["namespace"], null=-1)
     mark = None
@@ -518,7 +519,8 @@ def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataF
     makes before it reaches these requests: the cuts are a full admission's."""
     hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
     return admission_cuts(ev, req, hashed, locs.encode(req["replica"]), locs.index.get(POOL_LOCATION, -1),
-                          claimed=st.claimed.tolist(), anchors=anchors)
+                          claimed=st.claimed.tolist(), anchors=anchors,
+                          windows=np.where(st.loc_grp, st.windows, 0))
 
 
 def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray], specs: pl.DataFrame,

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from kvlens.collector.fields import checked_lines
 from kvlens.collector.vllm_events import DecodeError, EventDecoder, KvColumns, split_frames, topic_replica
 from kvlens.errors import InputError
 
@@ -31,18 +32,17 @@ def capture_line(frames: Sequence[bytes]) -> bytes:
 
 
 def read_capture(path: str | os.PathLike[str]) -> Iterator[tuple[int, list[bytes]]]:
-    """(line number, frames) of each line of a capture file."""
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                items = json.loads(line)
-                frames = [base64.b64decode(x, validate=True) for x in items]
-            except (ValueError, TypeError, RecursionError) as e:
-                raise InputError(f"not a JSON list of base64 frames ({e})", path=str(path),
-                                 line=lineno) from None
-            yield lineno, frames
+    """(line number, frames) of each line of a capture file, plain or gzip (``.gz``)."""
+    for lineno, line, _ in checked_lines(Path(path)):
+        if not line:
+            continue
+        try:
+            items = json.loads(line)
+            frames = [base64.b64decode(x, validate=True) for x in items]
+        except (ValueError, TypeError, RecursionError) as e:
+            raise InputError(f"not a JSON list of base64 frames ({e})", path=str(path),
+                             line=lineno) from None
+        yield lineno, frames
 
 
 def import_capture(paths: Sequence[str | os.PathLike[str]], lake: str | os.PathLike[str], *,

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 
+def capture_file(capture: Path, name: str) -> Path:
+    """``capture``/``name``, or its gzip (``name``.gz: the larger captures are shipped compressed)."""
+    plain = capture / name
+    return plain if plain.exists() else capture / f"{name}.gz"
+
+
 def gateway_lines(capture: Path, out: Path, model: str = "tiny") -> Path:
-    """Write ``capture``/client.jsonl as `kvlens import gateway` lines to ``out`` and return ``out``."""
-    with open(capture / "client.jsonl") as src, open(out, "w") as dst:
+    """Write ``capture``/client.jsonl (or .jsonl.gz) as `kvlens import gateway` lines to ``out`` and
+    return ``out``."""
+    client = capture_file(capture, "client.jsonl")
+    with (gzip.open(client, "rt") if client.suffix == ".gz" else open(client)) as src, open(out, "w") as dst:
         for line in src:
             r = json.loads(line)
             usage = r["usage"]

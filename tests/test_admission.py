@@ -156,3 +156,27 @@ def test_anchor_groups() -> None:
     # one group: that one, even a window's; several: the first without a window; none: -1
     assert anchor_groups(loc_grp, windows).tolist() == [0, 1, 2, -1]
     assert anchor_groups(np.array([[True, True]]), np.array([[64, 128]])).tolist() == [-1]
+
+
+def test_a_hybrid_request_that_stored_nothing_waits_for_its_window_groups_tail() -> None:
+    # Group 0 a sliding window of 128 tokens (blocks of 32: a hit needs the last 4 blocks, all of a
+    # shorter chain), group 1 full attention. x stores A B C in both groups; the window group's B and
+    # C are evicted before y (A B C, a partial tail) arrives, while the full group still holds all
+    # three. w (A B C D) then finds only A in the window group (its hit: 1 block) and stores B C D
+    # in both groups. y stored nothing, so the engine admitted it where both groups held what its
+    # whole hit needs: after w's window rows store B and C again (measured on a real vLLM 0.32: a
+    # request queued 117 ms read 32 hit tokens at its arrival where the engine had 96).
+    loc_grp, windows = np.array([[True, True]]), np.array([[128, 0]])
+    ev = _hybrid([(5, 0, 0, A, 0), (5, 0, 0, B, A), (5, 0, 0, C, B), (5, 0, 1, A, 0), (5, 0, 1, B, A),
+                  (5, 0, 1, C, B), (9, 1, 0, B, 0), (9, 1, 0, C, 0), (300, 0, 0, B, A), (300, 0, 0, C, B),
+                  (300, 0, 0, D, C), (300, 0, 1, B, A), (300, 0, 1, C, B), (300, 0, 1, D, C)])
+    req, full = _requests({"x": (1, [A, B, C]), "y": (20, [A, B, C]), "w": (30, [A, B, C, D])})
+    req = req.with_columns(block_size=pl.lit(32))
+    tails = np.where(loc_grp, windows, 0)
+    cuts, owns = admission_cuts(ev, req, full, np.zeros(3, np.int64), anchors=anchor_groups(loc_grp, windows),
+                                windows=tails)
+    assert owns.tolist() == [3, -1, 11] and cuts.tolist()[2] == 8  # w before its window rows
+    assert cuts.tolist()[1] == 10  # after the window group's B and C of w's batch, not at y's time (8)
+    # without the windows, the full group's blocks alone place y at its time
+    cuts, _ = admission_cuts(ev, req, full, np.zeros(3, np.int64), anchors=anchor_groups(loc_grp, windows))
+    assert cuts.tolist()[1] == 8

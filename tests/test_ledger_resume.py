@@ -20,7 +20,7 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
-from capture_lines import gateway_lines
+from capture_lines import capture_file, gateway_lines
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -65,7 +65,7 @@ def simulated(tmp_path_factory: pytest.TempPathFactory) -> Lake:
 
 def _captured(tmp: Path, capture: Path, model: str) -> Lake:
     lake = tmp / "lake"
-    for args in (["import", "vllm-events", str(capture / "kv_events.frames.jsonl")],
+    for args in (["import", "vllm-events", str(capture_file(capture, "kv_events.frames.jsonl"))],
                  ["import", "gateway", str(gateway_lines(capture, tmp / "gateway.jsonl", model))]):
         result = CliRunner().invoke(cli, [*args, "--scenario", "capture", "--lake", str(lake)])
         assert result.exit_code == 0, result.output
@@ -87,6 +87,12 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
 def concurrent_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
     return _captured(tmp_path_factory.mktemp("resume-concurrent-hybrid"),
                      DATA / "vllm-concurrent-hybrid-capture", "tiny-gemma2")
+
+
+@pytest.fixture(scope="module")
+def preempting_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _captured(tmp_path_factory.mktemp("resume-preempting-hybrid"),
+                     DATA / "vllm-preempting-hybrid-capture", "tiny-gemma2")
 
 
 @pytest.fixture
@@ -160,18 +166,19 @@ def test_a_lake_continues_from_any_cut(name: str, request: pytest.FixtureRequest
     assert resumed.replayed < full.replayed
 
 
-@pytest.mark.parametrize("name", ["captured", "concurrent_hybrid"])
+@pytest.mark.parametrize("name", ["captured", "concurrent_hybrid", "preempting_hybrid"])
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
 def test_a_capture_anchored_at_its_stores_continues(name: str, request: pytest.FixtureRequest,
                                                      con: duckdb.DuckDBPyConnection,
                                                      at: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real vLLM captures (one group; and a hybrid model's, two, with six clients at once): their
-    requests are admitted at their own stores (analyzers/admission.py); the state carries the runs
-    settled requests claimed, and the rest are admitted over the whole
-    stream: equal to a full replay. The capture lasts 5 s, so admission's window (10 minutes in
-    production, the longest a request's run may follow its look-up) is cut to 0.5 s here: requests
-    that found no run of their own then settle too, and later cuts replay fewer requests."""
+    """The real vLLM captures (one group; a hybrid model's, two, with six clients at once; and the
+    hybrid with sixteen, whose KV cache makes requests queue and preempts them): their requests are
+    admitted at their own stores (analyzers/admission.py); the state carries the runs settled
+    requests claimed, and the rest are admitted over the whole stream: equal to a full replay. The
+    captures last seconds, so admission's window (10 minutes in production, the longest a
+    request's run may follow its look-up) is cut to 0.5 s here: requests that found no run of their
+    own then settle too, and later cuts replay fewer requests."""
     captured: Lake = request.getfixturevalue(name)
     monkeypatch.setattr(admission, "ADMISSION_WINDOW_NS", 500_000_000)
     x = captured.first + round((captured.last - captured.first) * at)

@@ -147,6 +147,10 @@ def main() -> None:
     ap.add_argument("--arch", choices=("llama", "gemma2"), default="llama",
                     help="gemma2: the hybrid model (a sliding-window and a full-attention KV cache group "
                          "in one pool, which needs 160 blocks: make_tiny_model.py)")
+    ap.add_argument("--gpu-blocks", type=int, default=None,
+                    help="the engine's KV cache blocks (--num-gpu-blocks-override), fewer than the default "
+                         "to make it preempt running requests; --max-model-len shrinks to fit them")
+    ap.add_argument("--threads", type=int, default=THREADS, help="client threads (closed loops)")
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     out: Path = args.out
@@ -158,6 +162,12 @@ def main() -> None:
     flags = list(ENGINE_FLAGS)
     if args.arch == "gemma2":  # two groups share the pool: a 2,048-token request needs 64 blocks in each
         flags[flags.index("--num-gpu-blocks-override") + 1] = "160"
+    if args.gpu_blocks is not None:
+        flags[flags.index("--num-gpu-blocks-override") + 1] = str(args.gpu_blocks)
+        groups = 2 if args.arch == "gemma2" else 1
+        most = int(flags[flags.index("--max-model-len") + 1])
+        # (one block of the pool is vLLM's null block)
+        flags[flags.index("--max-model-len") + 1] = str(min(most, (args.gpu_blocks - 1) // groups * BLOCK))
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     ev_port, replay_port, api = _port(), _port(), _port()
     spans = _Spans(out)
@@ -185,7 +195,7 @@ def main() -> None:
         url = f"http://127.0.0.1:{api}/v1/completions"
         t0 = time.time()
         clients = [threading.Thread(target=_client, args=(k, url, str(model), vocab, systems, lines, lock))
-                   for k in range(THREADS)]
+                   for k in range(args.threads)]
         for c in clients:
             c.start()
         for c in clients:
