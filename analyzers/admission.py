@@ -34,8 +34,16 @@ server hands requests to the engine core in the order it finishes with them (see
 same 0 for 160 with the storing request second in arrival order). Where no such place is found,
 it stays at its time.
 A run that ends inside the request's blocks is its own only where a later run continues it (the
-next chunk of a chunked prefill); otherwise it is a shorter prompt's. A block stays held while a
-copy of it does (vLLM caches a block it computes again as a second physical copy).
+next chunk of a chunked prefill, within ``_CHUNK_GAP`` batches: the earliest, and it is claimed
+with the run), or where the request was preempted and its admission after that computes again
+from within the run (``_cut``); otherwise it is a shorter prompt's. A block stays held while a
+copy of it does (vLLM caches a block it computes again as a second physical copy). vLLM admits
+waiting requests in arrival order, so a request whose run would come after the admission of one
+that arrived ``_REORDER_NS`` after it, and which could have found its blocks cached before that,
+stored nothing, and the run is another's (``_out_of_order``). Measured on two captures of 960
+requests each prefilling in chunks of 256 tokens under memory pressure
+(tests/data/vllm-chunked-capture, -hybrid-capture), these rules take the requests that differ from
+the engine's count from 4 and 2 to none.
 
 A hybrid model's replica (several KV cache groups, each publishing its own runs, a sliding
 window's with gaps) is anchored at the runs of its first full-attention group (``anchor_groups``);
@@ -57,6 +65,8 @@ vLLM reports it (scheduler.py: ``prefill_stats.set`` only while ``num_preemption
 from __future__ import annotations
 
 import bisect
+import heapq
+import itertools
 from collections.abc import Iterable
 from typing import NamedTuple
 
@@ -65,13 +75,25 @@ import polars as pl
 
 from kvlens.analyzers.replay import loc_groups
 
-__all__ = ["ADMISSION_WINDOW_NS", "admission_cuts", "anchor_groups"]
+__all__ = ["ADMISSION_WINDOW_NS", "Admission", "admission_cuts", "anchor_groups"]
 
 _STORED, _REMOVED, _CLEARED = 0, 1, 2  # analyzers/replay.py's event kinds
 # Stores of one block after a request's arrival looked at per block: a block is stored again only
 # after an eviction, so the request's own run is among the first few; the bound keeps a hot block
 # (a system prompt re-stored all day) from making the search quadratic.
 _CANDIDATES = 8
+# A prefill in chunks goes on at the engine's next steps: vLLM schedules its running requests first
+# at every step (Scheduler.schedule), so a request's next chunk waits only while the running requests
+# before it take the step's token budget (measured on two captures in chunks of 256 tokens: 2,474 of
+# 2,477 next chunks one batch later, the rest 2 to 4). A run further on is another request's.
+_CHUNK_GAP = 16
+# vLLM admits waiting requests in arrival order (Scheduler.schedule, the default "fcfs" policy; a
+# preempted request goes back to the front, and its first admission is the one it counts): the
+# engine core receives them in the gateway's order but for the API server's work on each, which this
+# bound covers. A request admitted after one that reached the gateway this much later was not.
+_REORDER_NS = 250_000_000
+_ORDER_ROUNDS = 3  # claims made again after requests found to have stored nothing
+_NO_RUN = np.iinfo(np.int64).max
 # A request's own run is stamped at most this long after its look-up time (arrival plus queue time):
 # vLLM stores a request's new full blocks in the step that admits it (Scheduler.schedule ->
 # KVCacheManager.allocate_slots) and publishes that step's KVEventBatch when the step ends
@@ -126,43 +148,63 @@ def anchor_groups(loc_grp: np.ndarray, windows: np.ndarray | None = None) -> np.
 
 
 def _continues(ev: dict[str, np.ndarray], e: int, prev: int) -> bool:
-    """Row ``e`` is a stored row of the same event as row ``prev``: same replica, group and chain, and the
-    same batch (a simulator that numbers each event on its own stamps one request's at one time)."""
-    return (e < ev["ev_kind"].shape[0] and ev["ev_kind"][e] == _STORED
+    """Row ``e`` is a stored row of the same event as row ``prev``, a stored row too: same replica,
+    group and chain, and the same batch (a simulator that numbers each event on its own stamps one
+    request's at one time). (A removal of the parent just before, the allocation's eviction of
+    another copy of it, is not: measured, a chunk whose first block's parent was evicted at the
+    chunk's own step.)"""
+    return (e < ev["ev_kind"].shape[0] and ev["ev_kind"][e] == _STORED and ev["ev_kind"][prev] == _STORED
             and ev["ev_loc"][e] == ev["ev_loc"][prev] and ev["ev_grp"][e] == ev["ev_grp"][prev]
             and ev["ev_parent"][e] == ev["ev_h"][prev]
             and (ev["ev_seq"][e] == ev["ev_seq"][prev] or ev["ev_ts"][e] == ev["ev_ts"][prev]))
 
 
+class _Run(NamedTuple):
+    """The first row of each event of a run storing a request's blocks (its first event's, then its
+    later chunks'), and the chain position of the last block it stores."""
+    path: list[int]
+    reached: int
+
+
 def _own_run(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], e: int, chain: list[int],
-             j: int, upto: int) -> bool:
-    """Rows from ``e`` store ``chain[j:]`` as one event, or its prefix where the event ends when a
-    later event (before ``upto``) continues it the same way: the request's next chunk. A request
-    computes every block after its first computed one (a prefix cache hit is a prefix), and a
-    chunked prefill caches each chunk's full blocks at its step (KVCacheManager.allocate_slots), so
-    a run that ends inside the request's blocks is its own only when its chain goes on; one that
-    does not go on is a shorter prompt's (measured on the hybrid capture: a request whose 12 blocks
-    were all cached took the run of a later 7-block prompt of the same system prompt, stored after
-    an eviction). The chunks are followed in a loop, each candidate once, and at most
+             j: int, upto: int, claimed: set[int]) -> _Run | None:
+    """The run from ``e`` on that stores ``chain[j:]``: one event, or its prefix where the event
+    ends when a later event (before ``upto``, claimed by no request) continues it the same way: the
+    request's next chunk; where none reaches the chain's end, the one that goes furthest (None when
+    row ``e`` starts none). A request computes every block after its first computed one (a prefix
+    cache hit is a prefix), and a chunked prefill caches each chunk's full blocks at its step
+    (KVCacheManager.allocate_slots), so a run that ends inside the request's blocks is its own only
+    when its chain goes on, or when the request was preempted (``_cut``); one that does not go on is
+    a shorter prompt's (measured on the hybrid capture: a request whose 12 blocks were all cached
+    took the run of a later 7-block prompt of the same system prompt, stored after an eviction). The
+    chunks are followed in a loop, the earliest first, each candidate once, and at most
     ``_CANDIDATES`` stores of a block after a chunk's end (a hot block is stored all day)."""
-    pending, seen = [(e, j)], set()
+    pending: list[tuple[int, int, list[int]]] = [(e, j, [e])]
+    seen: set[int] = set()
+    furthest: _Run | None = None
     while pending:
-        e, j = pending.pop()
+        e, j, path = pending.pop()
         end = _event_end(ev, e, chain, j)
         if end < 0:
             continue
         k = j + end - e  # the chain position the event ends at
+        if furthest is None or k > furthest.reached:
+            furthest = _Run(path, k)
         if k + 1 >= len(chain):
-            return True
+            return furthest
         rows = index.get((int(ev["ev_loc"][end]), chain[k + 1]), ())
         first = bisect.bisect_right(rows, end)
+        later = []
         for r in rows[first:first + _CANDIDATES]:
             if r >= upto:
                 break
-            if ev["ev_grp"][r] == ev["ev_grp"][end] and r not in seen:
+            if ev["ev_seq"][r] - ev["ev_seq"][end] > _CHUNK_GAP:  # (not a break: ranks number apart)
+                continue
+            if ev["ev_grp"][r] == ev["ev_grp"][end] and r not in seen and r not in claimed:
                 seen.add(r)
-                pending.append((r, k + 1))
-    return False
+                later.append((r, k + 1, [*path, r]))
+        pending.extend(reversed(later))  # the earliest next chunk first: a running prefill goes on at once
+    return furthest
 
 
 def _event_end(ev: dict[str, np.ndarray], e: int, chain: list[int], j: int) -> int:
@@ -181,20 +223,65 @@ def _event_end(ev: dict[str, np.ndarray], e: int, chain: list[int], j: int) -> i
 
 
 def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc: int, chain: list[int],
-         after: int, upto: int, claimed: set[int]) -> int:
-    """The first unclaimed own run's row at or after stream index ``after`` and before ``upto``; -1
-    when there is none."""
-    best = -1
+         after: int, upto: int, claimed: set[int], ends: _Ends) -> list[int]:
+    """The first row of each event of the first unclaimed own run at or after stream index ``after``
+    and before ``upto`` (its first event first, then its later chunks'); empty when there is none.
+
+    A preempted request's first admission stores a run that stops inside its blocks, and its
+    admission after the preemption computes again from its hit then, which is at most where the
+    first stopped (vLLM frees a preempted request's blocks, Scheduler._preempt_request, and counts
+    the cached tokens of its first admission only). So an earlier run that stops at a block no
+    request's prompt ends at (``ends``: per location, each request's last full block), followed by
+    the request's own run starting within it, is its first admission, and both runs are its own
+    (measured on a capture prefilling in chunks of 256 tokens: a 1,024-token request preempted after
+    its third chunk read 96 hit tokens at its second admission, where the engine counted 0)."""
+    best: list[int] = []
+    best_j = -1
+    short: _Run | None = None
     for j, h in enumerate(chain):
         rows = index.get((loc, h), ())
         first = bisect.bisect_left(rows, after)
         for e in rows[first:first + _CANDIDATES]:
-            if e >= upto or (best >= 0 and e >= best):
+            if e >= upto or (best and e >= best[0]):
                 break
-            if e not in claimed and _own_run(ev, index, e, chain, j, upto):
-                best = e
+            if e in claimed:
+                continue
+            run = _own_run(ev, index, e, chain, j, upto, claimed)
+            if run is None:
+                continue
+            if run.reached + 1 >= len(chain):
+                best, best_j = run.path, j
                 break
+            if (short is None or e < short.path[0]) and not ends.may_own(loc, chain[run.reached], e):
+                short = run
+    if best and short is not None and short.path[0] < best[0] and best_j <= short.reached + 1 \
+            and not set(short.path) & set(best):
+        return [*short.path, *best]
     return best
+
+
+class _Ends:
+    """The requests still to come in look-up order, by (location, last full block): whether one of
+    them may own a run that ends at that block (a shorter prompt's), stamped at a stream place."""
+
+    def __init__(self, anchored: list[int], req_loc: np.ndarray, last: list[int], after: np.ndarray) -> None:
+        self._heaps: dict[tuple[int, int], list[tuple[int, int]]] = {}
+        self._key: dict[int, tuple[int, int]] = {}
+        for i, h in zip(anchored, last, strict=True):
+            self._key[i] = (int(req_loc[i]), h)
+            self._heaps.setdefault(self._key[i], []).append((int(after[i]), i))
+        for heap in self._heaps.values():
+            heapq.heapify(heap)
+        self._done: set[int] = set()
+
+    def done(self, i: int) -> None:
+        self._done.add(i)
+
+    def may_own(self, loc: int, h: int, place: int) -> bool:
+        heap = self._heaps.get((loc, h), [])
+        while heap and heap[0][1] in self._done:
+            heapq.heappop(heap)
+        return bool(heap) and heap[0][0] <= place
 
 
 class _Copies:
@@ -231,10 +318,10 @@ class _Copies:
 
 
 def _all_held(ev: dict[str, np.ndarray], needs: list[_Need], loc: int, start: int, upto: int,
-              claimed: set[int]) -> int:
+              claimed: set[int]) -> int | None:
     """The first stream place from ``start`` on (at most ``upto``) where ``loc`` holds, in each KV
     cache group of ``needs`` (the anchoring group first), the blocks the look-up needs there, those
-    of the anchoring group each last stored by a run some request claimed (``start`` when none is
+    of the anchoring group each last stored by a run some request claimed (None when none is
     found): a request that stored nothing found them all cached. A block held only through a run
     nobody claimed is not taken as a hit (measured live: a request the engine served with 0 hits
     matched no run of its own, and the first place holding its blocks gave it 704 hit tokens)."""
@@ -248,7 +335,7 @@ def _all_held(ev: dict[str, np.ndarray], needs: list[_Need], loc: int, start: in
                 rows = need.stores.get((loc, h), ())
                 later = bisect.bisect_left(rows, place)
                 if later >= len(rows) or rows[later] >= upto:
-                    return start
+                    return None
                 place, moved = rows[later] + 1, True
         if not moved:
             break
@@ -257,7 +344,7 @@ def _all_held(ev: dict[str, np.ndarray], needs: list[_Need], loc: int, start: in
     if all(need.copies.held(loc, h, place) for need in needs for h in need.blocks) \
             and all(_event_start(ev, row) in claimed for row in held):
         return place
-    return start
+    return None
 
 
 class _Need(NamedTuple):
@@ -310,6 +397,32 @@ def _admission_start(ev: dict[str, np.ndarray], own: int, blocks: set[int]) -> i
     return row
 
 
+def _out_of_order(anchored: list[int], look: np.ndarray, req_loc: np.ndarray,
+                  owns: np.ndarray) -> list[tuple[int, int]]:
+    """(request, bound) for each request whose own run lies after the own run of a request on its
+    replica that looked up more than ``_REORDER_NS`` after it; the bound is the earliest such run."""
+    out = []
+    by_loc: dict[int, list[int]] = {}
+    for i in anchored:  # (in look-up order)
+        by_loc.setdefault(int(req_loc[i]), []).append(i)
+    for members in by_loc.values():
+        times = [int(look[i]) for i in members]
+        runs = [int(owns[i]) if owns[i] >= 0 else _NO_RUN for i in members]
+        after = list(itertools.accumulate(reversed(runs), min))[::-1]  # the earliest run from each on
+        for k, i in enumerate(members):
+            later = bisect.bisect_right(times, times[k] + _REORDER_NS)
+            if owns[i] >= 0 and later < len(members) and after[later] < owns[i]:
+                out.append((i, after[later]))
+    return out
+
+
+class Admission(NamedTuple):
+    """``admission_cuts``' answer, per request."""
+    cuts: np.ndarray
+    owns: np.ndarray
+    chunks: list[list[int]]
+
+
 def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
     """Events between stream places ``a`` and ``b`` include the shared pool's."""
     lo, hi = min(a, b), max(a, b)
@@ -319,9 +432,10 @@ def _crosses(ev_loc: np.ndarray, a: int, b: int, shared: int) -> bool:
 def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, req_loc: np.ndarray,
                    shared: int = -1, claimed: Iterable[int] = (),
                    anchors: np.ndarray | None = None,
-                   windows: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Per request (``req``'s order): how many events of the sorted stream its look-up sees, and
-    the stream place of the run it was anchored at (-1: it found none, -2: it keeps the time rule).
+                   windows: np.ndarray | None = None) -> Admission:
+    """Per request (``req``'s order): how many events of the sorted stream its look-up sees, the
+    stream place of the run it was anchored at (-1: it found none, -2: it keeps the time rule),
+    and the first rows of that run's later chunks (a chunked prefill's).
 
     ``ev`` holds the replay's sorted event arrays plus ``ev_seq`` (the batch) and ``ev_parent``
     (the row's parent hash, 0 for none), hashes as signed 64-bit. ``req`` has ``request_id``,
@@ -330,7 +444,8 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     strictly before its look-up time, the replay's rule for one request at a time; so does one
     whose own run lies across events of the shared pool (location ``shared``), whose stores
     another replica's scheduler made: the rule orders one engine's admissions only. ``claimed``:
-    runs (their first stored row's place) that requests before these, in look-up order, took.
+    runs and later chunks (their first stored row's place) that requests before these, in look-up
+    order, took.
     ``anchors``: per location code, the group whose runs anchor it (``anchor_groups``; default:
     from the events, without windows: a location publishing one group is anchored at it). A hybrid
     model's request anchored at its run in that group looks up before the run's batch-mates of its
@@ -353,49 +468,34 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
     upto = np.searchsorted(ts, look + ADMISSION_WINDOW_NS, side="right")
     cuts = by_time.astype(np.int64)
     owns = np.full(req.height, -2, np.int64)
+    chunks: list[list[int]] = [[] for _ in range(req.height)]
     simulated = (req["source"] == SIMULATED).fill_null(False).to_numpy() if "source" in req.columns \
         else np.zeros(req.height, np.bool_)
     known = (req_loc >= 0) & (req_loc < anchors.shape[0])
     candidates = known & (anchors[np.where(known, req_loc, 0)] >= 0) & ~simulated
     if not candidates.any():  # every request keeps the time rule (a simulator's, an unanchored replica's)
-        return cuts, owns
+        return Admission(cuts, owns, chunks)
     chains = dict(full.sort("request_id", "position").group_by("request_id", maintain_order=True)
                   .agg(pl.col("block_hash_i64")).iter_rows())
     ids = req["request_id"].to_list()
     # One BlockStored event comes from one request's allocation: in look-up-time order, each
     # request takes the first run no request before it took.
-    taken: set[int] = set(claimed)
     anchored = [i for i in np.argsort(look, kind="stable").tolist() if candidates[i] and chains.get(ids[i])]
     loc_rows = ev["ev_loc"].astype(np.int64)
     in_range = (loc_rows >= 0) & (loc_rows < anchors.shape[0])
     row_anchor = np.where(in_range, anchors[np.where(in_range, loc_rows, 0)], -1)
     on_anchor = ev["ev_grp"] == row_anchor
     index = _rows_index(ev["ev_loc"], ev["ev_h"], (ev["ev_kind"] == _STORED) & on_anchor)
-    unfound = []
-    for i in anchored:
-        own = _cut(ev, index, int(req_loc[i]), chains[ids[i]], int(after[i]), int(upto[i]), taken)
-        owns[i] = own
-        if own < 0:
-            unfound.append(i)
-            continue
-        taken.add(own)
-        # Only a run published after the look-up time is a step's batch the engine stamped
-        # after admitting (a simulator stamps a request's stores at its look-up: the time
-        # rule is already exact there).
-        if ts[own] > look[i] and not _crosses(ev["ev_loc"], int(by_time[i]), own, shared):
-            cuts[i] = _admission_start(ev, own, set(chains[ids[i]]))
-    # A request that stored nothing found its blocks cached by runs the engine admitted before it,
-    # whoever claimed them: the gateway's arrival order is not the engine core's (the API server
-    # hands requests on in the order it finishes with them), so a run claimed by a request that
-    # arrived after it can still be the one it found (CI, live: 0 hit tokens where the engine had 160).
-    anchor_need = _Copies(ev, index, on_anchor)
+    anchor_copies = _Copies(ev, index, on_anchor)
     sliding: dict[int, tuple[dict[tuple[int, int], list[int]], _Copies]] = {}
-    sizes = req["block_size"].fill_null(0).to_numpy() if "block_size" in req.columns and unfound \
+    sizes = req["block_size"].fill_null(0).to_numpy() if "block_size" in req.columns \
         else np.zeros(req.height, np.int64)
     tails = np.zeros((0, 0), np.int64) if windows is None else windows
-    for i in unfound:
+
+    def needs_of(i: int) -> list[_Need]:
+        """What request ``i`` needed held to store nothing: the anchoring group's blocks first."""
         loc, chain = int(req_loc[i]), chains[ids[i]]
-        needs = [_Need(chain, index, anchor_need)]
+        needs = [_Need(chain, index, anchor_copies)]
         groups = np.flatnonzero(tails[loc] > 0).tolist() if sizes[i] > 0 and loc < tails.shape[0] else []
         for g in groups:
             if g not in sliding:
@@ -403,8 +503,51 @@ def admission_cuts(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFr
                 g_index = _rows_index(ev["ev_loc"], ev["ev_h"], (ev["ev_kind"] == _STORED) & in_group)
                 sliding[g] = (g_index, _Copies(ev, g_index, in_group))
             needs.append(_Need(_window_tail(chain, int(tails[loc, g]), int(sizes[i])), *sliding[g]))
-        cut = _all_held(ev, needs, loc, int(by_time[i]), int(upto[i]), taken)
-        if cut == by_time[i] and len(needs) > 1:  # no place holds every group's: the anchoring group's
-            cut = _all_held(ev, needs[:1], loc, int(by_time[i]), int(upto[i]), taken)
-        cuts[i] = cut
-    return cuts, owns
+        return needs
+
+    # One BlockStored event comes from one request's allocation: in look-up-time order, each
+    # request takes the first run no request before it took. A request whose run would come after
+    # the admission of one that arrived well after it, and which could have found its blocks cached
+    # before that, found them so (the engine admits in arrival order), and the run goes to another.
+    stored_nothing: set[int] = set()
+    for _ in range(_ORDER_ROUNDS):
+        taken: set[int] = set(claimed)
+        cuts, owns = by_time.astype(np.int64), np.full(req.height, -2, np.int64)
+        chunks = [[] for _ in range(req.height)]
+        ends = _Ends(anchored, req_loc, [chains[ids[i]][-1] for i in anchored], after)
+        unfound = []
+        for i in anchored:
+            ends.done(i)
+            path = [] if i in stored_nothing else \
+                _cut(ev, index, int(req_loc[i]), chains[ids[i]], int(after[i]), int(upto[i]), taken, ends)
+            if not path:
+                owns[i] = -1
+                unfound.append(i)
+                continue
+            own, chunks[i] = path[0], path[1:]
+            owns[i] = own
+            taken.update(path)  # its later chunks are its own too
+            # Only a run published after the look-up time is a step's batch the engine stamped
+            # after admitting (a simulator stamps a request's stores at its look-up: the time
+            # rule is already exact there).
+            if ts[own] > look[i] and not _crosses(ev["ev_loc"], int(by_time[i]), own, shared):
+                cuts[i] = _admission_start(ev, own, set(chains[ids[i]]))
+        more = set()
+        for i, bound in _out_of_order(anchored, look, req_loc, owns):
+            others = taken.difference([owns[i], *chunks[i]])
+            if _all_held(ev, needs_of(i), int(req_loc[i]), int(by_time[i]), bound, others) is not None:
+                more.add(i)
+        if not more:
+            break
+        stored_nothing |= more
+    # A request that stored nothing found its blocks cached by runs the engine admitted before it,
+    # whoever claimed them: the gateway's arrival order is not the engine core's (the API server
+    # hands requests on in the order it finishes with them), so a run claimed by a request that
+    # arrived after it can still be the one it found (CI, live: 0 hit tokens where the engine had 160).
+    for i in unfound:
+        needs, start = needs_of(i), int(by_time[i])
+        held = _all_held(ev, needs, int(req_loc[i]), start, int(upto[i]), taken)
+        if held is None and len(needs) > 1:  # no place holds every group's: the anchoring group's
+            held = _all_held(ev, needs[:1], int(req_loc[i]), start, int(upto[i]), taken)
+        cuts[i] = start if held is None else held
+    return Admission(cuts, owns, chunks)

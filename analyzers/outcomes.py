@@ -26,7 +26,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.admission import SIMULATED, admission_cuts, anchor_groups
+from kvlens.analyzers.admission import SIMULATED, Admission, admission_cuts, anchor_groups
 from kvlens.analyzers.ledger_state import LedgerState, checkpoint
 from kvlens.analyzers.partitions import Partitions, replay_partitioned_state
 from kvlens.analyzers.replay import (
@@ -199,11 +199,15 @@ def _admitted(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame,
     """Requests (with ``cut``, the look-up's place in the event stream, and ``own``, admission's
     run place) and blocks, in look-up order."""
     hashed = full.with_columns(block_hash_i64=pl.Series(_u64_as_i64(full["block_hash"]), dtype=pl.Int64))
-    cuts, own = admission_cuts(ev, req, hashed, locs.encode(req["replica"]),
-                               locs.index.get(POOL_LOCATION, -1), anchors=anchor_groups(loc_grp, windows),
-                               windows=np.where(loc_grp, windows, 0))
-    return _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64), own=pl.Series(own, dtype=pl.Int64)),
-                    full)
+    got = admission_cuts(ev, req, hashed, locs.encode(req["replica"]), locs.index.get(POOL_LOCATION, -1),
+                         anchors=anchor_groups(loc_grp, windows), windows=np.where(loc_grp, windows, 0))
+    return _ordered(req.with_columns(_admission_columns(got)), full)
+
+
+def _admission_columns(got: Admission) -> list[pl.Series]:
+    """``cut``, ``own`` and ``chunks`` (the later chunks' runs a request claimed) of ``got``."""
+    return [pl.Series("cut", got.cuts, dtype=pl.Int64), pl.Series("own", got.owns, dtype=pl.Int64),
+            pl.Series("chunks", got.chunks, dtype=pl.List(pl.Int64))]
 
 
 def _ordered(req: pl.DataFrame, full: pl.DataFrame) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -426,9 +430,8 @@ def _continued(resume: Resume, *, requests: duckdb.DuckDBPyRelation, request_blo
     if not np.array_equal(windows, st.windows):
         raise _CannotContinue("a KV cache group's sliding window changed")
     if anchored:
-        cuts, owns = _admitted_after(whole, req, full, locs, st, anchors)
-        req, full = _ordered(req.with_columns(cut=pl.Series(cuts, dtype=pl.Int64),
-                                              own=pl.Series(owns, dtype=pl.Int64)), full.drop("cut"))
+        got = _admitted_after(whole, req, full, locs, st, anchors)
+        req, full = _ordered(req.with_columns(_admission_columns(got)), full.drop("cut"))
         req_loc = locs.encode(req["replica"])
     full = full.with_columns(reusable=pl.col("reusable") | pl.Series(_u64_as_i64(full["block_hash"]))
                              .is_in(pl.Series(st.needed).implode()))
@@ -511,7 +514,7 @@ def rows_of(rows: duckdb.DuckDBPyRelation | Prefetch) -> pl.DataFrame:
 
 
 def _admitted_after(ev: dict[str, np.ndarray], req: pl.DataFrame, full: pl.DataFrame, locs: _Codes,
-                    st: LedgerState, anchors: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+                    st: LedgerState, anchors: np.ndarray) -> Admission:
     """Admission (analyzers/admission.py) of the requests after the checkpoint, in ``req``'s order:
     over the whole event stream (a request's own run, or the stores it found held, may lie before
     the checkpoint), with the runs the settled requests claimed taken already. The settled
@@ -532,7 +535,10 @@ def _next_state(st: LedgerState, mark: tuple[int, int], ev: dict[str, np.ndarray
     ``_transfer_marks``' at ``mark``."""
     local = mark[1] - st.events  # events of ``ev`` before the new checkpoint
     prefix = _specs_of(st.prefix_specs, specs)
-    settled = req.filter((pl.col("lookup_ns") < mark[0]) & (pl.col("own") >= 0))["own"].to_numpy()
+    runs = req.filter((pl.col("lookup_ns") < mark[0]) & (pl.col("own") >= 0))
+    if "chunks" in runs.columns:  # a run's later chunks are claimed with it
+        runs = runs.select(pl.concat_list("own", "chunks").alias("own")).explode("own")
+    settled = runs["own"].to_numpy()
     return dataclasses.replace(
         st, checkpoint_ns=mark[0], events=mark[1], namespaces=tuple(spaces.names), arrays=arrays,
         prefix_locations=max(st.prefix_locations, int(ev["ev_loc"][:local].max()) + 1 if local else 0),

@@ -31,7 +31,7 @@ def test_a_request_that_stored_nothing_looks_up_after_the_blocks_it_found() -> N
     # nothing; the step's batch is stamped after both arrived.
     ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 0, C, B)])
     req, full = _requests({"x": (10, [A, B, C]), "y": (20, [A, B])})
-    cuts, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    cuts, _, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert cuts.tolist() == [0, 2]  # x before its own run; y once A and B are held
 
 
@@ -40,7 +40,7 @@ def test_a_request_with_a_block_never_stored_keeps_its_time() -> None:
     # cached, so its look-up keeps its time (and the replay calls what it finds then).
     ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 1, B, 0), (200, 0, D, 0)])
     req, full = _requests({"x": (10, [A, B]), "y": (20, [A, B, C])})
-    cuts, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    cuts, _, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert cuts.tolist() == [0, 0]
 
 
@@ -52,7 +52,7 @@ def test_a_run_past_the_admission_window_is_not_the_request_s() -> None:
     req, full = _requests({"x": (10, [A])})
     for stamp, own in ((late, -1), (inside, 1)):  # 1: the run is the stream's second row
         ev = _stream([(5, 0, B, 0), (stamp, 0, A, 0)])
-        cuts, owns = admission_cuts(ev, req, full, np.zeros(1, np.int64))
+        cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(1, np.int64))
         assert owns.tolist() == [own], stamp
         assert cuts.tolist() == [1], stamp  # its time (after B), or just before its own run
 
@@ -62,11 +62,11 @@ def test_runs_claimed_before_are_not_taken_again() -> None:
     # second; y admitted alone with x's run claimed gets the same run.
     ev = _stream([(100, 0, A, 0), (200, 1, A, 0), (300, 0, A, 0)])
     req, full = _requests({"x": (10, [A]), "y": (20, [A])})
-    _, both = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    _, both, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert both.tolist() == [0, 2]
     y_req, y_full = _requests({"y": (20, [A])})
-    _, alone = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64), claimed=[0])
-    _, unaware = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64))
+    _, alone, _ = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64), claimed=[0])
+    _, unaware, _ = admission_cuts(ev, y_req, y_full, np.zeros(1, np.int64))
     assert alone.tolist() == [2] and unaware.tolist() == [0]
 
 
@@ -78,7 +78,7 @@ def test_a_request_that_stored_nothing_finds_a_run_claimed_after_it_in_arrival_o
     # tokens: CI saw this ledger give 0 where the engine had 160).
     ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 0, C, B)])
     req, full = _requests({"y": (10, [A, B]), "x": (11, [A, B, C])})
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert owns.tolist() == [-1, 0]
     assert cuts.tolist() == [2, 0]  # y once A and B are held; x before its own run
 
@@ -90,7 +90,7 @@ def test_a_run_nobody_claims_is_still_not_a_hit() -> None:
     # request the engine served with 0).
     ev = _stream([(100, 0, A, 0), (100, 0, B, A), (100, 0, D, B)])
     req, full = _requests({"y": (10, [A, B])})
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(1, np.int64))
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(1, np.int64))
     assert owns.tolist() == [-1] and cuts.tolist() == [0]
 
 
@@ -102,11 +102,11 @@ def test_a_prefix_run_is_a_request_s_only_when_its_next_chunk_follows() -> None:
     held = [(5, 0, A, 0), (5, 0, B, A), (5, 0, C, B), (5, 0, D, C)]
     ev = _stream([*held, (100, 1, A, 0), (100, 1, B, 0), (200, 0, A, 0), (200, 0, B, A)])
     req, full = _requests({"y": (10, [A, B, C, D]), "x": (150, [A, B])})
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert owns.tolist() == [-1, 6] and cuts.tolist() == [4, 6]  # y at its time (all held), x its run
     chunked = _stream([(100, 0, A, 0), (100, 0, B, A), (200, 0, C, B), (200, 0, D, C)])
     req, full = _requests({"y": (10, [A, B, C, D])})
-    _, owns = admission_cuts(chunked, req, full, np.zeros(1, np.int64))
+    _, owns, _ = admission_cuts(chunked, req, full, np.zeros(1, np.int64))
     assert owns.tolist() == [0]
 
 
@@ -115,7 +115,7 @@ def test_a_block_with_a_second_copy_stays_held_after_one_removal() -> None:
     # stored nothing, still found A cached at its time, not only after w's later store of A D.
     ev = _stream([(5, 0, A, 0), (6, 0, A, 0), (7, 1, A, 0), (300, 0, A, 0), (300, 0, D, A)])
     req, full = _requests({"x": (1, [A]), "z": (4, [A]), "y": (10, [A]), "w": (250, [A, D])})
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(4, np.int64))
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(4, np.int64))
     assert owns.tolist() == [0, 1, -1, 3]  # x, z and w took the three stores, y none
     assert cuts.tolist()[2] == 3  # y at its time: A still held (one copy left), not after w's run
 
@@ -137,16 +137,16 @@ def test_a_hybrid_request_is_anchored_at_its_full_attention_run_and_looks_up_bef
     assert anchors.tolist() == [1]
     ev = _hybrid([(100, 0, 0, C, 0), (100, 0, 1, A, 0), (100, 0, 1, B, A), (100, 0, 1, C, B)])
     req, full = _requests({"x": (10, [A, B, C]), "y": (20, [A, B])})
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64), anchors=anchors)
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64), anchors=anchors)
     assert owns.tolist() == [1, -1] and cuts.tolist() == [0, 3]
     # without windows (one location, two groups), every request keeps its time
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
     assert owns.tolist() == [-2, -2] and cuts.tolist() == [0, 0]
     # a window group's removal of B does not evict the full group's copy
     ev = _hybrid([(5, 0, 0, A, 0), (5, 0, 1, A, 0), (5, 0, 0, B, A), (5, 0, 1, B, A), (7, 1, 0, B, 0),
                   (100, 0, 1, E, 0)])
     req, full = _requests({"y": (20, [A, B])})
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(1, np.int64), anchors=anchors)
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(1, np.int64), anchors=anchors)
     assert owns.tolist() == [-1] and cuts.tolist() == [5]
 
 
@@ -173,10 +173,71 @@ def test_a_hybrid_request_that_stored_nothing_waits_for_its_window_groups_tail()
     req, full = _requests({"x": (1, [A, B, C]), "y": (20, [A, B, C]), "w": (30, [A, B, C, D])})
     req = req.with_columns(block_size=pl.lit(32))
     tails = np.where(loc_grp, windows, 0)
-    cuts, owns = admission_cuts(ev, req, full, np.zeros(3, np.int64), anchors=anchor_groups(loc_grp, windows),
-                                windows=tails)
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(3, np.int64),
+                                   anchors=anchor_groups(loc_grp, windows), windows=tails)
     assert owns.tolist() == [3, -1, 11] and cuts.tolist()[2] == 8  # w before its window rows
     assert cuts.tolist()[1] == 10  # after the window group's B and C of w's batch, not at y's time (8)
     # without the windows, the full group's blocks alone place y at its time
-    cuts, _ = admission_cuts(ev, req, full, np.zeros(3, np.int64), anchors=anchor_groups(loc_grp, windows))
+    cuts, _, _ = admission_cuts(ev, req, full, np.zeros(3, np.int64),
+                                anchors=anchor_groups(loc_grp, windows))
     assert cuts.tolist()[1] == 8
+
+
+def _batches(rows: list[tuple[int, int, int, int, int]]) -> dict[str, np.ndarray]:
+    """(ts, batch, kind, hash, parent) rows of one replica with one KV cache group."""
+    ts, seq, kind, h, parent = (np.array(col, np.int64) for col in zip(*rows, strict=True))
+    return {"ev_ts": ts, "ev_kind": kind.astype(np.int8), "ev_loc": np.zeros(len(rows), np.int32),
+            "ev_grp": np.zeros(len(rows), np.int32), "ev_h": h, "ev_seq": seq, "ev_parent": parent}
+
+
+def test_a_chunk_after_an_eviction_of_its_parent_is_the_requests_next_chunk() -> None:
+    # x (A B C D) prefills in two chunks; the second chunk's allocation evicts another copy of B,
+    # B's removal just before C (parent B) in the same batch: C still starts the next chunk.
+    ev = _batches([(100, 1, 0, A, 0), (100, 1, 0, B, A), (200, 2, 1, B, 0), (200, 2, 0, C, B),
+                   (200, 2, 0, D, C)])
+    req, full = _requests({"x": (10, [A, B, C, D])})
+    _, owns, chunks = admission_cuts(ev, req, full, np.zeros(1, np.int64))
+    assert owns.tolist() == [0] and chunks == [[3]]
+
+
+def test_a_later_chunk_is_claimed_with_its_run() -> None:
+    # x (A B C D) prefills in two chunks (A B, then C D at the next step); y (A B C D E), admitted
+    # after them, found A..D cached and stores E: its run is E's, not x's second chunk.
+    ev = _batches([(100, 1, 0, A, 0), (100, 1, 0, B, A), (200, 2, 0, C, B), (200, 2, 0, D, C),
+                   (300, 3, 0, E, D)])
+    req, full = _requests({"x": (10, [A, B, C, D]), "y": (20, [A, B, C, D, E])})
+    cuts, owns, chunks = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    assert owns.tolist() == [0, 4] and chunks == [[2], []] and cuts.tolist() == [0, 4]
+
+
+def test_a_preempted_request_is_looked_up_at_its_first_admission() -> None:
+    # x (A B C D) stores A B (its first chunk) and is preempted; B is evicted; admitted again, x
+    # finds A and stores B C D. vLLM counts its first admission's hit (none): x looks up before A.
+    ev = _batches([(100, 1, 0, A, 0), (100, 1, 0, B, A), (200, 2, 1, B, 0), (300, 3, 0, B, A),
+                   (300, 3, 0, C, B), (300, 3, 0, D, C)])
+    req, full = _requests({"x": (10, [A, B, C, D])})
+    cuts, owns, chunks = admission_cuts(ev, req, full, np.zeros(1, np.int64))
+    assert owns.tolist() == [0] and chunks == [[3]] and cuts.tolist() == [0]
+    # a prompt of A B that may still come (arrived before that run) may own it: x keeps its later run
+    req, full = _requests({"x": (10, [A, B, C, D]), "y": (20, [A, B])})
+    _, owns, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    assert owns.tolist() == [3, 0]
+    # one that came after it may not
+    req, full = _requests({"x": (10, [A, B, C, D]), "y": (250, [A, B])})
+    _, owns, _ = admission_cuts(ev, req, full, np.zeros(2, np.int64))
+    assert owns.tolist()[0] == 0
+
+
+def test_a_request_admitted_before_later_arrivals_took_no_run_after_theirs() -> None:
+    ms = 1_000_000
+    # w stores A B; x (A B) arrives and finds them cached (stores nothing); they are evicted; v,
+    # arriving 290 ms after x, stores E; z (A B C D) arrives later and prefills A B, then C D. x's
+    # blocks match z's first chunk, but the engine admits in arrival order: x was admitted before
+    # v, so that chunk is z's.
+    ev = _batches([(5 * ms, 1, 0, A, 0), (5 * ms, 1, 0, B, A), (300 * ms, 2, 1, A, 0), (300 * ms, 2, 1, B, 0),
+                   (400 * ms, 3, 0, E, 0), (700 * ms, 4, 0, A, 0), (700 * ms, 4, 0, B, A),
+                   (710 * ms, 5, 0, C, B), (710 * ms, 5, 0, D, C)])
+    req, full = _requests({"w": (1 * ms, [A, B]), "x": (10 * ms, [A, B]), "v": (300 * ms, [E]),
+                           "z": (600 * ms, [A, B, C, D])})
+    cuts, owns, _ = admission_cuts(ev, req, full, np.zeros(4, np.int64))
+    assert owns.tolist() == [0, -1, 4, 5] and cuts.tolist()[1] == 2  # x where w's A B are held

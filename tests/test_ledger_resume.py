@@ -95,6 +95,17 @@ def preempting_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
                      DATA / "vllm-preempting-hybrid-capture", "tiny-gemma2")
 
 
+@pytest.fixture(scope="module")
+def chunked(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _captured(tmp_path_factory.mktemp("resume-chunked"), DATA / "vllm-chunked-capture", "tiny")
+
+
+@pytest.fixture(scope="module")
+def chunked_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _captured(tmp_path_factory.mktemp("resume-chunked-hybrid"), DATA / "vllm-chunked-hybrid-capture",
+                     "tiny-gemma2")
+
+
 @pytest.fixture
 def con() -> Iterator[duckdb.DuckDBPyConnection]:
     c = duckdb.connect()
@@ -166,14 +177,16 @@ def test_a_lake_continues_from_any_cut(name: str, request: pytest.FixtureRequest
     assert resumed.replayed < full.replayed
 
 
-@pytest.mark.parametrize("name", ["captured", "concurrent_hybrid", "preempting_hybrid"])
+@pytest.mark.parametrize("name", ["captured", "concurrent_hybrid", "preempting_hybrid", "chunked",
+                                  "chunked_hybrid"])
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
 def test_a_capture_anchored_at_its_stores_continues(name: str, request: pytest.FixtureRequest,
                                                      con: duckdb.DuckDBPyConnection,
                                                      at: float, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real vLLM captures (one group; a hybrid model's, two, with six clients at once; and the
-    hybrid with sixteen, whose KV cache makes requests queue and preempts them): their requests are
+    """The real vLLM captures (one group; a hybrid model's, two, with six clients at once; the
+    hybrid with sixteen, whose KV cache makes requests queue and preempts them; and both models
+    prefilling in chunks under that pressure): their requests are
     admitted at their own stores (analyzers/admission.py); the state carries the runs settled
     requests claimed, and the rest are admitted over the whole stream: equal to a full replay. The
     captures last seconds, so admission's window (10 minutes in production, the longest a

@@ -151,6 +151,8 @@ def main() -> None:
                     help="the engine's KV cache blocks (--num-gpu-blocks-override), fewer than the default "
                          "to make it preempt running requests; --max-model-len shrinks to fit them")
     ap.add_argument("--threads", type=int, default=THREADS, help="client threads (closed loops)")
+    ap.add_argument("--batched-tokens", type=int, default=None,
+                    help="the engine's --max-num-batched-tokens (below a prompt's length: a chunked prefill)")
     ap.add_argument("out", type=Path)
     args = ap.parse_args()
     out: Path = args.out
@@ -162,6 +164,8 @@ def main() -> None:
     flags = list(ENGINE_FLAGS)
     if args.arch == "gemma2":  # two groups share the pool: a 2,048-token request needs 64 blocks in each
         flags[flags.index("--num-gpu-blocks-override") + 1] = "160"
+    if args.batched_tokens is not None:
+        flags[flags.index("--max-num-batched-tokens") + 1] = str(args.batched_tokens)
     if args.gpu_blocks is not None:
         flags[flags.index("--num-gpu-blocks-override") + 1] = str(args.gpu_blocks)
         groups = 2 if args.arch == "gemma2" else 1
