@@ -106,6 +106,12 @@ def chunked_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
                      "tiny-gemma2")
 
 
+@pytest.fixture(scope="module")
+def chat_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
+    return _captured(tmp_path_factory.mktemp("resume-chat-hybrid"), DATA / "vllm-chat-hybrid-capture",
+                     "tiny-gemma2")
+
+
 @pytest.fixture
 def con() -> Iterator[duckdb.DuckDBPyConnection]:
     c = duckdb.connect()
@@ -178,7 +184,7 @@ def test_a_lake_continues_from_any_cut(name: str, request: pytest.FixtureRequest
 
 
 @pytest.mark.parametrize("name", ["captured", "concurrent_hybrid", "preempting_hybrid", "chunked",
-                                  "chunked_hybrid"])
+                                  "chunked_hybrid", "chat_hybrid"])
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
 def test_a_capture_anchored_at_its_stores_continues(name: str, request: pytest.FixtureRequest,
@@ -186,7 +192,7 @@ def test_a_capture_anchored_at_its_stores_continues(name: str, request: pytest.F
                                                      at: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real vLLM captures (one group; a hybrid model's, two, with six clients at once; the
     hybrid with sixteen, whose KV cache makes requests queue and preempts them; and both models
-    prefilling in chunks under that pressure): their requests are
+    prefilling in chunks under that pressure, the hybrid's in multi-turn chats too): their requests are
     admitted at their own stores (analyzers/admission.py); the state carries the runs settled
     requests claimed, and the rest are admitted over the whole stream: equal to a full replay. The
     captures last seconds, so admission's window (10 minutes in production, the longest a

@@ -108,7 +108,7 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _client(k: int, url: str, model: str, vocab: int, systems: list[list[int]], lines: list[dict[str, Any]],
-            lock: threading.Lock) -> None:
+            lock: threading.Lock, chat: bool = False) -> None:
     rng = random.Random(100 + k)
     sessions: dict[str, list[int]] = {}
     for _ in range(REQUESTS_PER_THREAD):
@@ -116,10 +116,13 @@ def _client(k: int, url: str, model: str, vocab: int, systems: list[list[int]], 
         if name not in sessions or rng.random() < 0.2 or len(sessions[name]) > 1200:
             sessions[name] = list(rng.choice(systems))
         sessions[name] += [rng.randrange(2, vocab) for _ in range(rng.randrange(30, 130))]
-        prompt, max_tokens = list(sessions[name]), rng.randrange(4, 33)
+        prompt, max_tokens = list(sessions[name]), rng.randrange(16, 97) if chat else rng.randrange(4, 33)
         sent = time.time()
         reply = _post(url, {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "ignore_eos": True, "user": name})
+                            "ignore_eos": True, "user": name, **({"return_token_ids": True} if chat else {})})
+        if chat:  # the next turn's prompt holds this answer, whose full blocks the engine cached as it
+            # decoded them
+            sessions[name] += reply["choices"][0]["token_ids"]
         with lock:
             lines.append({"request_id": reply["id"], "arrival_unix": sent, "done_unix": time.time(),
                           "thread": k, "session": name, "max_tokens": max_tokens, "prompt_token_ids": prompt,
@@ -151,6 +154,8 @@ def main() -> None:
                     help="the engine's KV cache blocks (--num-gpu-blocks-override), fewer than the default "
                          "to make it preempt running requests; --max-model-len shrinks to fit them")
     ap.add_argument("--threads", type=int, default=THREADS, help="client threads (closed loops)")
+    ap.add_argument("--chat", action="store_true",
+                    help="each turn's prompt holds the session's earlier answers (16-96 output tokens each)")
     ap.add_argument("--batched-tokens", type=int, default=None,
                     help="the engine's --max-num-batched-tokens (below a prompt's length: a chunked prefill)")
     ap.add_argument("out", type=Path)
@@ -198,8 +203,8 @@ def main() -> None:
         lock = threading.Lock()
         url = f"http://127.0.0.1:{api}/v1/completions"
         t0 = time.time()
-        clients = [threading.Thread(target=_client, args=(k, url, str(model), vocab, systems, lines, lock))
-                   for k in range(args.threads)]
+        clients = [threading.Thread(target=_client, args=(k, url, str(model), vocab, systems, lines, lock,
+                                                          args.chat)) for k in range(args.threads)]
         for c in clients:
             c.start()
         for c in clients:
