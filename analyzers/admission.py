@@ -230,9 +230,10 @@ def _cut(ev: dict[str, np.ndarray], index: dict[tuple[int, int], list[int]], loc
     A preempted request's first admission stores a run that stops inside its blocks, and its
     admission after the preemption computes again from its hit then, which is at most where the
     first stopped (vLLM frees a preempted request's blocks, Scheduler._preempt_request, and counts
-    the cached tokens of its first admission only). So an earlier run that stops at a block no
-    request's prompt ends at (``ends``: per location, each request's last full block), followed by
-    the request's own run starting within it, is its first admission, and both runs are its own
+    the cached tokens of its first admission only). So an earlier run that stops at a block where
+    no request still to come, arrived before the run, ends (``ends``: a shorter prompt's run),
+    followed by the request's own run starting within it, is its first admission, and both runs are
+    its own
     (measured on a capture prefilling in chunks of 256 tokens: a 1,024-token request preempted after
     its third chunk read 96 hit tokens at its second admission, where the engine counted 0)."""
     best: list[int] = []
@@ -265,11 +266,9 @@ class _Ends:
     them may own a run that ends at that block (a shorter prompt's), stamped at a stream place."""
 
     def __init__(self, anchored: list[int], req_loc: np.ndarray, last: list[int], after: np.ndarray) -> None:
-        self._heaps: dict[tuple[int, int], list[tuple[int, int]]] = {}
-        self._key: dict[int, tuple[int, int]] = {}
+        self._heaps: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (arrival place, request)
         for i, h in zip(anchored, last, strict=True):
-            self._key[i] = (int(req_loc[i]), h)
-            self._heaps.setdefault(self._key[i], []).append((int(after[i]), i))
+            self._heaps.setdefault((int(req_loc[i]), h), []).append((int(after[i]), i))
         for heap in self._heaps.values():
             heapq.heapify(heap)
         self._done: set[int] = set()

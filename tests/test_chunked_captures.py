@@ -13,11 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from capture_lines import capture_file, gateway_lines
-from click.testing import CliRunner
+from capture_lines import analyze_capture, capture_lake
 
 from kvlens.analyzers import admission
-from kvlens.cli import cli
 from kvlens.query import query
 
 DATA = Path(__file__).parent / "data"
@@ -34,22 +32,13 @@ def _metric(capture: Path, name: str) -> int:
 
 @pytest.fixture(scope="module")
 def lakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    out = {}
-    for name, (capture, served, _, _) in CAPTURES.items():
-        tmp = tmp_path_factory.mktemp(f"chunked-{name}")
-        for args in (["import", "vllm-events", str(capture_file(capture, "kv_events.frames.jsonl"))],
-                     ["import", "gateway", str(gateway_lines(capture, tmp / "gateway.jsonl", served))]):
-            result = CliRunner().invoke(cli, [*args, "--scenario", "capture", "--lake", str(tmp / "lake")])
-            assert result.exit_code == 0, (args, result.output)
-        out[name] = tmp / "lake"
-    return out
+    return {name: capture_lake(capture, tmp_path_factory.mktemp(f"chunked-{name}"), served)
+            for name, (capture, served, _, _) in CAPTURES.items()}
 
 
 def _wrong(name: str, lake: Path, db: Path) -> tuple[list[Any], int]:
     model, requests = CAPTURES[name][2:]
-    result = CliRunner().invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db), "--model", model,
-                                      "--scenario", "capture"])
-    assert result.exit_code == 0, result.output
+    analyze_capture(lake, db, model)
     rows = query("SELECT request_id, hit_tokens, cached_tokens FROM request_ledger "
                  "WHERE scenario = 'capture'", db=db)[1]
     assert len(rows) == requests

@@ -15,11 +15,9 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pytest
-from capture_lines import gateway_lines
-from click.testing import CliRunner
+from capture_lines import analyze_capture, capture_lake
 
 from kvlens.analyzers import block_outcomes, outcomes, request_ledger
-from kvlens.cli import cli
 from kvlens.lake import open_lake
 from kvlens.query import query
 
@@ -30,17 +28,8 @@ REQUESTS = 360
 @pytest.fixture(scope="module")
 def analyzed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     tmp = tmp_path_factory.mktemp("concurrent-hybrid")
-    lake, db = tmp / "lake", tmp / "kvlens.duckdb"
-    runner = CliRunner()
-    for args in (["import", "vllm-events", str(CAPTURE / "kv_events.frames.jsonl"), "--scenario", "capture"],
-                 ["import", "gateway", str(gateway_lines(CAPTURE, tmp / "gateway.jsonl", "tiny-gemma2")),
-                  "--scenario", "capture"]):
-        result = runner.invoke(cli, [*args, "--lake", str(lake)])
-        assert result.exit_code == 0, (args, result.output)
-    result = runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db), "--model", "gemma-2-27b",
-                                 "--scenario", "capture"])
-    assert result.exit_code == 0, result.output
-    return lake, db
+    lake = capture_lake(CAPTURE, tmp, "tiny-gemma2")
+    return lake, analyze_capture(lake, tmp / "kvlens.duckdb", "gemma-2-27b")
 
 
 def _engine_hits() -> int:

@@ -12,7 +12,7 @@ at once).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -20,8 +20,7 @@ import duckdb
 import numpy as np
 import polars as pl
 import pytest
-from capture_lines import capture_file, gateway_lines
-from click.testing import CliRunner
+from capture_lines import capture_lake
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from incremental_lake import source_lake
@@ -32,7 +31,6 @@ from kvlens.analyzers import admission
 from kvlens.analyzers.ledger_state import LedgerState
 from kvlens.analyzers.outcomes import Ledger, Prefetch, Resume, _with, in_order, ledger_outcomes, rows_of
 from kvlens.analyzers.state_blob import pack_arrays, unpack_arrays
-from kvlens.cli import cli
 from kvlens.lake import open_lake
 from kvlens.schema import TABLES
 
@@ -64,12 +62,7 @@ def simulated(tmp_path_factory: pytest.TempPathFactory) -> Lake:
 
 
 def _captured(tmp: Path, capture: Path, model: str) -> Lake:
-    lake = tmp / "lake"
-    for args in (["import", "vllm-events", str(capture_file(capture, "kv_events.frames.jsonl"))],
-                 ["import", "gateway", str(gateway_lines(capture, tmp / "gateway.jsonl", model))]):
-        result = CliRunner().invoke(cli, [*args, "--scenario", "capture", "--lake", str(lake)])
-        assert result.exit_code == 0, result.output
-    return _span(lake, "capture")
+    return _span(capture_lake(capture, tmp, model), "capture")
 
 
 @pytest.fixture(scope="module")
@@ -83,33 +76,25 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
                      "tiny-gemma2")
 
 
-@pytest.fixture(scope="module")
-def concurrent_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
-    return _captured(tmp_path_factory.mktemp("resume-concurrent-hybrid"),
-                     DATA / "vllm-concurrent-hybrid-capture", "tiny-gemma2")
+# The real vLLM captures whose requests are admitted at their own stores, and the model each serves.
+_ANCHORED = {"concurrent_hybrid": ("vllm-concurrent-hybrid-capture", "tiny-gemma2"),
+             "preempting_hybrid": ("vllm-preempting-hybrid-capture", "tiny-gemma2"),
+             "chunked": ("vllm-chunked-capture", "tiny"),
+             "chunked_hybrid": ("vllm-chunked-hybrid-capture", "tiny-gemma2"),
+             "chat_hybrid": ("vllm-chat-hybrid-capture", "tiny-gemma2")}
 
 
 @pytest.fixture(scope="module")
-def preempting_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
-    return _captured(tmp_path_factory.mktemp("resume-preempting-hybrid"),
-                     DATA / "vllm-preempting-hybrid-capture", "tiny-gemma2")
+def anchored(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Lake]:
+    """Each of ``_ANCHORED``'s captures as a lake, imported once for the module."""
+    lakes: dict[str, Lake] = {}
 
-
-@pytest.fixture(scope="module")
-def chunked(tmp_path_factory: pytest.TempPathFactory) -> Lake:
-    return _captured(tmp_path_factory.mktemp("resume-chunked"), DATA / "vllm-chunked-capture", "tiny")
-
-
-@pytest.fixture(scope="module")
-def chunked_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
-    return _captured(tmp_path_factory.mktemp("resume-chunked-hybrid"), DATA / "vllm-chunked-hybrid-capture",
-                     "tiny-gemma2")
-
-
-@pytest.fixture(scope="module")
-def chat_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Lake:
-    return _captured(tmp_path_factory.mktemp("resume-chat-hybrid"), DATA / "vllm-chat-hybrid-capture",
-                     "tiny-gemma2")
+    def lake(name: str) -> Lake:
+        if name not in lakes:
+            directory, model = _ANCHORED[name]
+            lakes[name] = _captured(tmp_path_factory.mktemp(f"resume-{name}"), DATA / directory, model)
+        return lakes[name]
+    return lake
 
 
 @pytest.fixture
@@ -183,11 +168,11 @@ def test_a_lake_continues_from_any_cut(name: str, request: pytest.FixtureRequest
     assert resumed.replayed < full.replayed
 
 
-@pytest.mark.parametrize("name", ["captured", "concurrent_hybrid", "preempting_hybrid", "chunked",
-                                  "chunked_hybrid", "chat_hybrid"])
+@pytest.mark.parametrize("name", ["captured", *_ANCHORED])
 @_CUTS
 @given(at=st.floats(0.05, 0.95))
 def test_a_capture_anchored_at_its_stores_continues(name: str, request: pytest.FixtureRequest,
+                                                     anchored: Callable[[str], Lake],
                                                      con: duckdb.DuckDBPyConnection,
                                                      at: float, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real vLLM captures (one group; a hybrid model's, two, with six clients at once; the
@@ -198,7 +183,7 @@ def test_a_capture_anchored_at_its_stores_continues(name: str, request: pytest.F
     captures last seconds, so admission's window (10 minutes in production, the longest a
     request's run may follow its look-up) is cut to 0.5 s here: requests that found no run of their
     own then settle too, and later cuts replay fewer requests."""
-    captured: Lake = request.getfixturevalue(name)
+    captured: Lake = request.getfixturevalue(name) if name == "captured" else anchored(name)
     monkeypatch.setattr(admission, "ADMISSION_WINDOW_NS", 500_000_000)
     x = captured.first + round((captured.last - captured.first) * at)
     _, resumed, full = _continued_and_full(con, captured, x)

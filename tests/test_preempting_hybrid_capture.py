@@ -14,11 +14,9 @@ import re
 from pathlib import Path
 
 import pytest
-from capture_lines import capture_file, gateway_lines
-from click.testing import CliRunner
+from capture_lines import analyze_capture, capture_lake
 
 from kvlens.analyzers import admission
-from kvlens.cli import cli
 from kvlens.query import query
 
 CAPTURE = Path(__file__).parent / "data" / "vllm-preempting-hybrid-capture"
@@ -32,18 +30,7 @@ def _metric(name: str) -> int:
 
 
 def _analyzed(tmp: Path) -> Path:
-    lake, db = tmp / "lake", tmp / "kvlens.duckdb"
-    runner = CliRunner()
-    for args in (["import", "vllm-events", str(capture_file(CAPTURE, "kv_events.frames.jsonl")),
-                  "--scenario", "capture"],
-                 ["import", "gateway", str(gateway_lines(CAPTURE, tmp / "gateway.jsonl", "tiny-gemma2")),
-                  "--scenario", "capture"]):
-        result = runner.invoke(cli, [*args, "--lake", str(lake)])
-        assert result.exit_code == 0, (args, result.output)
-    result = runner.invoke(cli, ["analyze", "--lake", str(lake), "--db", str(db), "--model", "gemma-2-27b",
-                                 "--scenario", "capture"])
-    assert result.exit_code == 0, result.output
-    return db
+    return analyze_capture(capture_lake(CAPTURE, tmp, "tiny-gemma2"), tmp / "kvlens.duckdb", "gemma-2-27b")
 
 
 def _wrong(db: Path) -> list[tuple[str, int, int]]:
