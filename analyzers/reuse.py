@@ -120,6 +120,9 @@ def _factorize(keys: np.ndarray) -> tuple[np.ndarray, int]:
     return ids, m
 
 
+_FILTER_SEED = np.uint64(0x9E3779B97F4A7C15)  # _factorize_after's filter: another hash than the table's
+
+
 @numba.njit(cache=True)
 def _factorize_after(keys: np.ndarray, head: int) -> tuple[np.ndarray, int]:
     """Dense ids 0..M-1 of a stream whose first ``head`` keys are distinct (an LRU stack replayed
@@ -132,8 +135,26 @@ def _factorize_after(keys: np.ndarray, head: int) -> tuple[np.ndarray, int]:
     ids_after, m, table, mask = _keys_table(keys[head:])
     ids = np.empty(keys.shape[0], np.int64)
     ids[head:] = ids_after
+    # Most head keys are named by no later access: a filter of 32 bits per later key, a few hundred
+    # kB, answers most of them from the cache, where a probe of the table misses it (824k stack
+    # keys before 100k accesses, the events stream of the whole sample trace's 6th increment: 20.6 ms
+    # without it, 6.4 ms with it, measured here).
+    n_tail = keys.shape[0] - head
+    fbits = 64
+    while fbits < 32 * n_tail:
+        fbits *= 2
+    fmask = np.uint64(fbits - 1)
+    seen = np.zeros(fbits // 64, np.uint64)
+    for i in range(head, keys.shape[0]):
+        b = _mix64(keys[i] ^ _FILTER_SEED) & fmask
+        seen[b >> np.uint64(6)] |= np.uint64(1) << (b & np.uint64(63))
     for i in range(head):
         k = keys[i]
+        b = _mix64(k ^ _FILTER_SEED) & fmask
+        if (seen[b >> np.uint64(6)] >> (b & np.uint64(63))) & np.uint64(1) == 0:
+            ids[i] = m  # named by no later access
+            m += 1
+            continue
         h = _mix64(k) & mask
         while table[h, 1] != 0 and table[h, 0] != k:
             h = (h + np.uint64(1)) & mask
@@ -220,12 +241,31 @@ def _stack_push(tree: np.ndarray, slot_key: np.ndarray, state: np.ndarray, k: in
 
 @numba.njit(cache=True)
 def _stack_kernel(ids: np.ndarray, sizes: np.ndarray, tree: np.ndarray, slot_key: np.ndarray,
-                  state: np.ndarray, d_blocks: np.ndarray, d_bytes: np.ndarray, prev: np.ndarray) -> None:
+                  state: np.ndarray, d_blocks: np.ndarray, d_bytes: np.ndarray, prev: np.ndarray,
+                  head: int) -> None:
+    """Distances of ``ids`` (each access's bytes in ``sizes``), whose first ``head`` keys are
+    distinct: a replayed stack (``reuse_distances``' ``distinct_head``), its tree built at once."""
     n = ids.shape[0]
-    live_c = 0
+    t = tree.shape[0]
     live_b = 0
-    nxt = 0
-    for i in range(n):
+    for i in range(head):
+        k = ids[i]
+        state[k, _SLOT] = i
+        state[k, _LAST] = i
+        state[k, _SIZE] = sizes[i]
+        slot_key[i] = k
+        live_b += sizes[i]
+    for j in range(t):  # the tree of those slots in O(T), as _fw_compact builds it
+        if j < head:
+            tree[j, 0] += 1
+            tree[j, 1] += sizes[j]
+        parent = j + ((j + 1) & -(j + 1))
+        if parent < t:
+            tree[parent, 0] += tree[j, 0]
+            tree[parent, 1] += tree[j, 1]
+    live_c = head
+    nxt = head
+    for i in range(head, n):
         k = ids[i]
         s = sizes[i]
         p = state[k, _SLOT]
@@ -246,12 +286,24 @@ def _stack_kernel(ids: np.ndarray, sizes: np.ndarray, tree: np.ndarray, slot_key
 
 @numba.njit(cache=True)
 def _uniform_kernel(ids: np.ndarray, tree: np.ndarray, slot_key: np.ndarray, slot_of: np.ndarray,
-                    last_i: np.ndarray, d_blocks: np.ndarray, prev: np.ndarray) -> None:
-    """Every access the same size: a count-only int32 tree, a quarter of the memory traffic."""
+                    last_i: np.ndarray, d_blocks: np.ndarray, prev: np.ndarray, head: int) -> None:
+    """Every access the same size: a count-only int32 tree, a quarter of the memory traffic. The
+    first ``head`` keys are distinct, as in ``_stack_kernel``."""
     t = tree.shape[0]
-    live = 0
-    nxt = 0
-    for i in range(ids.shape[0]):
+    for i in range(head):
+        k = ids[i]
+        slot_of[k] = i
+        last_i[k] = i
+        slot_key[i] = k
+    for j in range(t):
+        if j < head:
+            tree[j] += 1
+        parent = j + ((j + 1) & -(j + 1))
+        if parent < t:
+            tree[parent] += tree[j]
+    live = head
+    nxt = head
+    for i in range(head, ids.shape[0]):
         k = ids[i]
         p = slot_of[k]
         if p >= 0:
@@ -295,17 +347,18 @@ def _uniform_kernel(ids: np.ndarray, tree: np.ndarray, slot_key: np.ndarray, slo
         nxt += 1
 
 
-def _uniform_distances(ids: np.ndarray, size: int, n_keys: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _uniform_distances(ids: np.ndarray, size: int, n_keys: int,
+                       head: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     t = max(2 * n_keys, 64)
     d_blocks = np.full(ids.shape[0], -1, np.int64)
     prev = np.full(ids.shape[0], -1, np.int64)
     _uniform_kernel(ids, np.zeros(t, np.int32), np.full(t, -1, np.int32), np.full(n_keys, -1, np.int32),
-                    np.zeros(n_keys, np.int64), d_blocks, prev)
+                    np.zeros(n_keys, np.int64), d_blocks, prev, head)
     d_bytes = np.where(d_blocks >= 0, d_blocks * size, -1)
     return d_blocks, d_bytes, prev
 
 
-def _stack_distances(ids: np.ndarray, sizes: np.ndarray, n_keys: int
+def _stack_distances(ids: np.ndarray, sizes: np.ndarray, n_keys: int, head: int = 0
                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     # Allocated by NumPy, not inside the kernel: NumPy asks the kernel for transparent huge pages
     # on large arrays, and the random walks over the tree and key state are TLB-bound without them.
@@ -318,7 +371,7 @@ def _stack_distances(ids: np.ndarray, sizes: np.ndarray, n_keys: int
     d_blocks = np.full(n, -1, np.int64)
     d_bytes = np.full(n, -1, np.int64)
     prev = np.full(n, -1, np.int64)
-    _stack_kernel(ids, sizes, tree, slot_key, state, d_blocks, d_bytes, prev)
+    _stack_kernel(ids, sizes, tree, slot_key, state, d_blocks, d_bytes, prev, head)
     return d_blocks, d_bytes, prev
 
 
@@ -339,9 +392,9 @@ def reuse_distances(keys: np.ndarray, sizes: np.ndarray | int = 1, *, distinct_h
         return Distances(empty, empty, empty)
     ids, m = _factorize_after(keys, distinct_head) if distinct_head > 0 else _factorize(keys)
     if m < 2**30 and sizes_arr.min() == sizes_arr.max():
-        blocks, byts, prev = _uniform_distances(ids, int(sizes_arr[0]), m)
+        blocks, byts, prev = _uniform_distances(ids, int(sizes_arr[0]), m, distinct_head)
     else:
-        blocks, byts, prev = _stack_distances(ids, sizes_arr, m)
+        blocks, byts, prev = _stack_distances(ids, sizes_arr, m, distinct_head)
     return Distances(blocks, byts, prev)
 
 
