@@ -218,6 +218,30 @@ def test_a_new_group_is_replayed_in_full(simulated: Lake, con: duckdb.DuckDBPyCo
     assert resumed.refused == "KV cache group(s) [1] appeared"
 
 
+def test_a_second_namespace_is_replayed_in_full(simulated: Lake, con: duckdb.DuckDBPyConnection) -> None:
+    """A state saved with one namespace keeps no content maps (outcomes._content): a request under a
+    second one, needing content stored before the checkpoint under the first, is
+    ``miss_incompatible`` only in a full replay, which the continuation defers to."""
+    x = (simulated.first + simulated.last) // 2
+    sc, late = simulated.scenario, simulated.last + 1
+    open_lake(con, simulated.path)
+    ((rid, content),) = con.sql(
+        f"SELECT b.request_id, b.content_hash FROM request_blocks b JOIN kv_events e "
+        f"ON e.block_hash = b.block_hash AND e.scenario = b.scenario AND e.kind = 'stored' "
+        f"AND e.content_hash = b.content_hash WHERE b.scenario = '{sc}' AND b.content_hash <> 0 "
+        f"AND e.ts_ns < {simulated.first + (x - simulated.first) // 2} LIMIT 1").fetchall()
+    request = (f"SELECT * REPLACE ('tenant-b' AS request_id, {late} AS arrival_ns) FROM requests "
+               f"WHERE scenario = '{sc}' AND request_id = '{rid}'")
+    block = (f"SELECT * REPLACE ('tenant-b' AS request_id, {late} AS arrival_ns, 'tenant-b' AS namespace, "
+             f"xor(block_hash, 12345::UBIGINT) AS block_hash) FROM request_blocks "
+             f"WHERE scenario = '{sc}' AND request_id = '{rid}' AND content_hash = {content}")
+    _, resumed, full = _continued_and_full(con, simulated, x, {"requests": request, "request_blocks": block})
+    assert resumed.refused == ("a second namespace appeared: the saved state holds no content maps "
+                               "(_content)")
+    got = full.frame.filter(pl.col("request_id") == "tenant-b")
+    assert got["outcome"].to_list() == ["miss_incompatible"], got
+
+
 def test_a_late_load_of_a_settled_request_is_replayed_in_full(simulated: Lake,
                                                              con: duckdb.DuckDBPyConnection) -> None:
     """A load is part of a request's outcome: one stamped after the checkpoint for a request
