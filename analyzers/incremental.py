@@ -417,12 +417,6 @@ def horizon(inputs: Inputs, before: Inputs | None = None) -> int | None:
     return edge
 
 
-def _saved(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> tuple[int | None, bytes] | None:
-    """(checkpoint, blob) of the one state the previous analysis DB saved for ``scenario`` in
-    ``table``, if any."""
-    return _blob(con, table, scenario) if _previous_has(con, table) else None
-
-
 def _saved_at(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> tuple[int | None] | None:
     """(checkpoint,) of the one state the previous analysis DB saved for ``scenario`` in ``table``,
     if any: its blob unread (a column of its own: DuckDB reads no byte of it here)."""
@@ -446,11 +440,17 @@ def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: 
     lake's age, on the whole sample trace's 6th increment four of them, 6 MB, read in 23 ms); None
     when there is none, or when it does not read (logged, naming ``what`` it is and what is done
     ``instead``)."""
-    if worker is None:
-        saved = _saved(con, table, scenario)
-        return _read(saved[1] if saved else None, parse, scenario, what, instead, None)
     if _saved_at(con, table, scenario) is None:
         return None
+    return _fetched_later(con, table, scenario, parse, what, instead, worker)
+
+
+def _fetched_later(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: Callable[[bytes], T],
+                   what: str, instead: str, worker: StateWorker | None) -> Pending[T]:
+    """``_state_of`` for a state its caller found saved (``_saved_at``): not looked for again."""
+    if worker is None:
+        saved = _blob(con, table, scenario)
+        return _read(saved[1] if saved else None, parse, scenario, what, instead, None)
     return worker.later(_fetched, con.cursor(), table, scenario, parse, what, instead)
 
 
@@ -491,8 +491,8 @@ def resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
     if saved is None:
         return None
     (saved_at,) = saved
-    state = _state_of(con, LEDGER_TABLE, scenario, LedgerState.from_bytes, "ledger",
-                      "replaying its ledger in full", worker)
+    state = _fetched_later(con, LEDGER_TABLE, scenario, LedgerState.from_bytes, "ledger",
+                           "replaying its ledger in full", worker)
     # The previous rows grow with the lake's age and are needed only after the replay: they are
     # read while it runs (outcomes.Prefetch).
     return Resume(state, Prefetch(con, f"{PREVIOUS}.block_outcomes", scenario),
@@ -569,7 +569,7 @@ def reuse_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
     def parse(data: bytes) -> ReuseState:
         return dataclasses.replace(ReuseState.from_bytes(data), kept_rows=int(kept))
 
-    return _state_of(con, REUSE_STATE_TABLE, scenario, parse, "reuse", "computing reuse in full", worker)
+    return _fetched_later(con, REUSE_STATE_TABLE, scenario, parse, "reuse", "computing reuse in full", worker)
 
 
 def scans_resume_of(con: duckdb.DuckDBPyConnection, scenario: str,
