@@ -256,6 +256,28 @@ def test_a_late_load_of_a_settled_request_is_replayed_in_full(simulated: Lake,
     assert resumed.refused == "a request settled at the checkpoint has a load stamped after it"
 
 
+def test_a_repeated_request_id_is_replayed_in_full(simulated: Lake, con: duckdb.DuckDBPyConnection) -> None:
+    """A request row after the checkpoint that repeats the id of a settled request: the settled rows
+    of that id may change, so the continuation defers to a full replay and says why."""
+    x = (simulated.first + simulated.last) // 2
+    sc = simulated.scenario
+    again = (f"SELECT * REPLACE ({simulated.last + 1} AS arrival_ns) FROM requests "
+             f"WHERE scenario = '{sc}' AND arrival_ns < {simulated.first + 1} LIMIT 1")
+    open_lake(con, simulated.path)
+    assert con.sql(f"SELECT count(*) FROM ({again})").fetchall() == [(1,)]
+    _, resumed, _ = _continued_and_full(con, simulated, x, {"requests": again})
+    assert resumed.refused == "1 request row(s) repeat the id of a request after the checkpoint"
+
+
+def test_a_request_without_an_arrival_is_replayed_in_full(simulated: Lake,
+                                                          con: duckdb.DuckDBPyConnection) -> None:
+    """A request row with no arrival time cannot be placed before or after the checkpoint."""
+    x = (simulated.first + simulated.last) // 2
+    unplaced = (f"SELECT * REPLACE ('no-arrival' AS request_id, NULL::BIGINT AS arrival_ns) FROM requests "
+                f"WHERE scenario = '{simulated.scenario}' LIMIT 1")
+    _, resumed, _ = _continued_and_full(con, simulated, x, {"requests": unplaced})
+    assert resumed.refused == "1 request(s) have no arrival time"
+
 
 def _failed_load(lake: Lake, where: str, at: int) -> str:
     """A failed load stamped at ``at`` of the last full block that its replica received no transfer of
