@@ -37,6 +37,9 @@ DB before the 6th), and analyzed again in alternation, ``PAIRS`` times each; the
 the fastest of each, so both sides are measured in the same minutes. Beside it, the median of the
 pairs' own ratios: one fast run of the 1st (the two fastest may come from different minutes) moves
 the first, not the second.
+Then, from the same pairs' children (each times the analyses it yields), the analyses whose time
+grew most from the 1st to the 6th, and the growth outside them (the DB's copy, its writes and
+commit, the saved states): where the 6th's extra time goes, measured in the same run.
 
 Target (issue 16): analyzing the 6th increment costs at most 1.5x analyzing the 1st (a full
 rebuild of 6 increments costs about 6x), on both lakes. The ratio is measured in this run, both
@@ -74,13 +77,23 @@ LAKES = [("steady", REQUESTS, "rr8", _EIGHT), ("draining", REQUESTS, "rr2", FLEE
          ("whole trace", WHOLE_TRACE, "rr8", _EIGHT)]
 _CHILD = """
 import json, sys, time
+import kvlens.analyzers as analyzers
 from kvlens.analyzers.analyze import analyze_lake
+steps = {}
+each = analyzers.analyze_scenario
+def timed(*args, **kwargs):  # seconds per table computed (its analysis), summed over scenarios
+    t = time.perf_counter()
+    for name, frame in each(*args, **kwargs):
+        steps[name] = steps.get(name, 0.0) + time.perf_counter() - t
+        yield name, frame
+        t = time.perf_counter()
+analyzers.analyze_scenario = timed
 t0 = time.perf_counter()
 result = analyze_lake(sys.argv[1], sys.argv[2], full=sys.argv[3] == "full")
 seconds = time.perf_counter() - t0
 with open("/proc/self/status") as status:
     rss = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:")) * 1024
-print(json.dumps({"s": seconds, "rss": rss, "modes": [m for _, m, _ in result.modes]}))
+print(json.dumps({"s": seconds, "rss": rss, "modes": [m for _, m, _ in result.modes], "steps": steps}))
 """
 
 
@@ -88,13 +101,14 @@ class Run(NamedTuple):
     seconds: float
     rss_mib: float
     modes: tuple[str, ...]
+    steps: dict[str, float]  # seconds per analysis (the table it yields); the rest is reading and writing
 
 
 def _analyze(lake: Path, db: Path, mode: str) -> Run:
     out = subprocess.run([sys.executable, "-c", _CHILD, str(lake), str(db), mode],
                          capture_output=True, text=True, check=True, timeout=1800)
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    return Run(float(got["s"]), got["rss"] / 2**20, tuple(got["modes"]))
+    return Run(float(got["s"]), got["rss"] / 2**20, tuple(got["modes"]), got["steps"])
 
 
 def _again(lake: Path, before: Path | None, db: Path, mode: str = "incremental") -> Run:
@@ -166,4 +180,22 @@ def _lake(requests: int, scenario: str, fleet: SimConfig) -> bool:
               f"pairs' own ratios {each:.2f}x; "
               f"{runs[-1].seconds / runs[0].seconds:.2f}x in the series above), "
               f"full / 1st = {full.seconds / runs[0].seconds:.2f}x in the series (measured)")
+        print(f"   where the 6th's extra time goes (median over the pairs, 6th - 1st): {_growth(pairs)}")
         return last / first <= TARGET_RATIO and modes == {"appended"}
+
+
+def _growth(pairs: list[tuple[Run, Run]], shown: int = 8) -> str:
+    """The analyses whose time grew most from the 1st increment to the 6th, and the rest of the
+    run (the analysis DB's copy, writes and commit, the states, opening the lake), in ms."""
+    def median(runs: list[Run], step: str | None) -> float:
+        return statistics.median(r.steps.get(step, 0.0) if step else r.seconds - sum(r.steps.values())
+                                 for r in runs)
+    firsts, lasts = [a for a, _ in pairs], [b for _, b in pairs]
+    names = {n for r in firsts + lasts for n in r.steps}
+    grown = sorted(((median(lasts, n) - median(firsts, n), n) for n in names), reverse=True)
+    rest = median(lasts, None) - median(firsts, None)
+    # the first table yielded, ``scenarios``, is computed with the ledger and the request sums
+    parts = [f"{'ledger and request_ledger' if n == 'scenarios' else n} {1e3 * d:+.0f}"
+             for d, n in grown[:shown]]
+    return ", ".join([*parts, f"the other analyses {1e3 * sum(d for d, _ in grown[shown:]):+.0f}",
+                      f"outside the analyses {1e3 * rest:+.0f}"]) + " ms (measured)"
