@@ -135,15 +135,26 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         "sources": [origin.sources], "ttft_label": [origin.ttft_label], "assumptions": [origin.assumptions]},
         schema_overrides={"ttft_label": pl.String, "assumptions": pl.String})
     yield "block_outcomes", outcomes
-    yield "miss_ledger", miss_ledger(block_outcomes=outcomes, incomplete=per_request)
     yield "request_ledger", per_request
-    yield "hygiene", hygiene(request_blocks=blocks, scenario=scenario, bytes_per_token=per_token)
+    # The analyses that save a state come first, each state packed on the state worker
+    # (analyzers/incremental.py) while the analyses after it run rather than while the DB waits for
+    # it: the lake aggregates' users, flows, reuse; then the analyses that only read.
     scans = Scans({"kv_events": (events, "ts_ns"), "request_blocks": (blocks, "arrival_ns")},
                   scans_resume := ready(plan.scans_resume), plan.horizon_ns,
                   unchanged_before=plan.unchanged_before)
     yield "isolation_findings", isolation_findings(
         requests=requests, request_blocks=blocks, kv_events=events, block_outcomes=outcomes,
         scenario=scenario, bytes_per_token=per_token, scans=scans)
+    yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes, kv_events=events,
+                           scenario=scenario, scans=scans)
+    yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
+                                     bytes_per_token=per_token, group_bytes_per_token=group_rates,
+                                     scans=scans)
+    plan.scans_state = scans.state()
+    if scans_resume is not None:
+        plan.scans_said = (f"lake aggregates continued from {scans_resume.checkpoint_ns} ns"
+                           if scans.resume is not None
+                           else f"lake aggregates computed in full: {scans.refused}")
     flows_resume = ready(plan.flows_resume)
     continued = (flows_resume if result.appended is not None and plan.resume is not None
                  and flows_resume is not None
@@ -155,34 +166,6 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         events_unchanged_before=plan.unchanged_before.get("kv_events"),
         loads_from=result.loads_from if continued is not None else None)
     yield "flows", byte_flows
-    plan.fanout_kept = plan.keep_windows and result.appended is not None
-    if plan.fanout_kept and result.appended is not None:
-        plan.fanout_since = since = fanout_since(result.appended)
-        yield "fanout", fanout(block_outcomes=outcomes.clear() if since is None
-                               else outcomes.filter(pl.col("arrival_ns") >= since))
-    else:
-        yield "fanout", fanout(block_outcomes=outcomes)
-    yield "latency_tails", latency_tails(request_ledger=per_request)
-    yield "warmup", warmup(request_ledger=per_request, block_outcomes=outcomes, kv_events=events,
-                           scenario=scenario, scans=scans)
-    costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
-    yield "crossover", crossover(costs=costs, scenario=scenario)
-    yield "prefix_ranking", prefix_ranking(block_outcomes=outcomes, costs=costs, scenario=scenario)
-    metrics = scenario_rows(con, "metric_samples", metrics_from) if metrics_from else samples
-    ((scraped,),) = metrics.aggregate("count(*)").fetchall()
-    if scraped:
-        yield "reconciliation", reconcile(metric_samples=metrics, request_ledger=per_request,
-                                          scenario=scenario)
-    yield "tier_reconciliation", tier_reconciliation(
-        block_outcomes=outcomes, requests=requests, metric_samples=metrics, scenario=scenario)
-    yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
-                                     bytes_per_token=per_token, group_bytes_per_token=group_rates,
-                                     scans=scans)
-    plan.scans_state = scans.state()
-    if scans_resume is not None:
-        plan.scans_said = (f"lake aggregates continued from {scans_resume.checkpoint_ns} ns"
-                           if scans.resume is not None
-                           else f"lake aggregates computed in full: {scans.refused}")
     reuse_resume = ready(plan.reuse_resume)
     # The `requests` stream from the state's stack on, where it kept one (its accesses of one size);
     # the partitioned curve reads the whole stream.
@@ -211,3 +194,23 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         yield "capacity", effective_capacity(
             mrc=curve, physical_bytes=cache_tokens * per_token, bytes_per_token=per_token, scenario=scenario,
             metric_samples=samples, block_size_tokens=int(block or 16))
+    yield "miss_ledger", miss_ledger(block_outcomes=outcomes, incomplete=per_request)
+    yield "hygiene", hygiene(request_blocks=blocks, scenario=scenario, bytes_per_token=per_token)
+    plan.fanout_kept = plan.keep_windows and result.appended is not None
+    if plan.fanout_kept and result.appended is not None:
+        plan.fanout_since = since = fanout_since(result.appended)
+        yield "fanout", fanout(block_outcomes=outcomes.clear() if since is None
+                               else outcomes.filter(pl.col("arrival_ns") >= since))
+    else:
+        yield "fanout", fanout(block_outcomes=outcomes)
+    yield "latency_tails", latency_tails(request_ledger=per_request)
+    costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
+    yield "crossover", crossover(costs=costs, scenario=scenario)
+    yield "prefix_ranking", prefix_ranking(block_outcomes=outcomes, costs=costs, scenario=scenario)
+    metrics = scenario_rows(con, "metric_samples", metrics_from) if metrics_from else samples
+    ((scraped,),) = metrics.aggregate("count(*)").fetchall()
+    if scraped:
+        yield "reconciliation", reconcile(metric_samples=metrics, request_ledger=per_request,
+                                          scenario=scenario)
+    yield "tier_reconciliation", tier_reconciliation(
+        block_outcomes=outcomes, requests=requests, metric_samples=metrics, scenario=scenario)
