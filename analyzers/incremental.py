@@ -427,10 +427,10 @@ def _saved_at(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> tupl
     return (rows[0][0],) if len(rows) == 1 and rows[0][1] else None
 
 
-def _blob(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> tuple[int | None, bytes] | None:
-    rows = con.execute(f"SELECT checkpoint_ns, state FROM {PREVIOUS}.{table} WHERE scenario = ?",
-                       [scenario]).fetchall()
-    return rows[0] if len(rows) == 1 and rows[0][1] is not None else None
+def _blob(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> bytes | None:
+    """The state blob itself (its checkpoint is ``_saved_at``'s)."""
+    rows = con.execute(f"SELECT state FROM {PREVIOUS}.{table} WHERE scenario = ?", [scenario]).fetchall()
+    return rows[0][0] if len(rows) == 1 else None
 
 
 def _state_of(con: duckdb.DuckDBPyConnection, table: str, scenario: str, parse: Callable[[bytes], T],
@@ -449,8 +449,7 @@ def _fetched_later(con: duckdb.DuckDBPyConnection, table: str, scenario: str, pa
                    what: str, instead: str, worker: StateWorker | None) -> Pending[T]:
     """``_state_of`` for a state its caller found saved (``_saved_at``): not looked for again."""
     if worker is None:
-        saved = _blob(con, table, scenario)
-        return _read(saved[1] if saved else None, parse, scenario, what, instead, None)
+        return _read(_blob(con, table, scenario), parse, scenario, what, instead, None)
     return worker.later(_fetched, con.cursor(), table, scenario, parse, what, instead)
 
 
@@ -458,10 +457,10 @@ def _fetched(cursor: duckdb.DuckDBPyConnection, table: str, scenario: str, parse
              what: str, instead: str) -> T | None:
     """``_state_of``'s read on the worker: the blob over ``cursor`` (closed here), then parsed."""
     try:
-        saved = _blob(cursor, table, scenario)
+        blob = _blob(cursor, table, scenario)
     finally:
         cursor.close()
-    return None if saved is None else _parsed(saved[1], parse, scenario, what, instead)
+    return None if blob is None else _parsed(blob, parse, scenario, what, instead)
 
 
 def _read(blob: bytes | None, parse: Callable[[bytes], T], scenario: str, what: str, instead: str,

@@ -42,7 +42,7 @@ grew most from the 1st to the 6th, and the growth outside them (the DB's copy, i
 commit, the saved states): where the 6th's extra time goes, measured in the same run.
 
 Target (issue 16): analyzing the 6th increment costs at most 1.5x analyzing the 1st (a full
-rebuild of 6 increments costs about 6x), on both lakes. The ratio is measured in this run, both
+rebuild of 6 increments costs about 6x), on every lake. The ratio is measured in this run, both
 sides here. The first two lakes hold ``REQUESTS`` requests.
 """
 
