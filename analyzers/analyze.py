@@ -73,12 +73,14 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                  model: ModelGeometry | None = None, *, cache_tokens: int | None = None,
                  join: Sequence[str] = (), metrics_from: str | None = None,
                  progress: Progress | None = None, full: bool = False,
-                 partitions: Partitions | None = None) -> AnalyzeResult:
+                 partitions: Partitions | None = None, memory_limit: int | None = None) -> AnalyzeResult:
     """(Re)build ``db`` from ``lake``: every analysis of each of ``scenarios`` (default: all but the
     ``join`` sources), with ``model`` or each scenario's own (``scenario_model``). A scenario whose
     inputs are those the previous ``db`` recorded is copied from it unless ``full``. ``partitions``:
     replay each analyzed scenario's ledger in block-hash partitions (analyzers/partitions.py), in
-    this process or on Ray; the outcomes are the same."""
+    this process or on Ray; the outcomes are the same. ``memory_limit``: the bytes this analysis may
+    hold (``kvlens analyze --memory-limit`` keeps it: kvlens/memory.py); DuckDB gets half, and spills
+    past it."""
     from kvlens.analyzers import LedgerPlan, analyze_scenario
 
     done: list[str] = []
@@ -146,10 +148,14 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     if base is not None:
                         incremental.clear_scenario(con, scenario, keep=("block_outcomes", "reuse", "fanout"))
                         pairs = _replacing(con, scenario, pairs, plan)
-                    for pair in pairs:  # each state is packed from when it is ready, beside the analyses
-                        worker.offer(plan.result.state if plan.result else None, plan.flows_state,
-                                     plan.reuse_state, plan.scans_state)
-                        yield pair
+                    try:
+                        for pair in pairs:  # each state is packed from when it is ready, beside the analyses
+                            worker.offer(plan.result.state if plan.result else None, plan.flows_state,
+                                         plan.reuse_state, plan.scans_state)
+                            yield pair
+                    finally:  # (stopped early: the previous rows' reads end before the connection closes)
+                        if plan.resume is not None:
+                            plan.resume.drop()
                     decision = _ledger_said(scenario, decision, plan)
                     incremental.write_ledger(con, scenario, plan.result.state if plan.result else None,
                                              plan.flows_state, plan.reuse_state, plan.scans_state, worker)
@@ -163,7 +169,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
         if no_state is None:
             incremental.detach_previous(con)
 
-    path = build_analysis_db(db, lake, compute, base=candidate, accept=accepted)
+    path = build_analysis_db(db, lake, compute, base=candidate, accept=accepted, memory_limit=memory_limit)
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
 
 

@@ -26,6 +26,7 @@ import duckdb
 import numpy as np
 import polars as pl
 
+from kvlens import memory
 from kvlens.analyzers.admission import SIMULATED, Admission, admission_cuts, anchor_groups
 from kvlens.analyzers.ledger_state import LedgerState, checkpoint
 from kvlens.analyzers.partitions import Partitions, replay_partitioned_state
@@ -114,6 +115,7 @@ def _events(kv_events: duckdb.DuckDBPyRelation, locs: _Codes, spaces: _Codes,
         raise _CannotContinue(f"KV cache group(s) {sorted(set(seen) - set(group_idx))} appeared")
     known = list(group_idx) if group_idx is not None else seen
     codes = {g: c for c, g in enumerate(known)}
+    memory.check()
     return {
         "ev_ts": ev["ts_ns"].fill_null(0).to_numpy().astype(np.int64),
         "ev_kind": kind.astype(np.int8),
@@ -186,6 +188,7 @@ def _needed(requests: duckdb.DuckDBPyRelation, request_blocks: duckdb.DuckDBPyRe
             .sort("lookup_ns", "arrival_ns", "request_id", "position")
             # An unbounded cache serves every block some earlier request already needed.
             .with_columns(reusable=~pl.col("block_hash").is_first_distinct()))
+    memory.check()  # a safe point of the analysis' memory limit (kvlens/memory.py), as after each step here
     return req, full
 
 
@@ -215,6 +218,7 @@ def _ordered(req: pl.DataFrame, full: pl.DataFrame) -> tuple[pl.DataFrame, pl.Da
     full = (full.join(req.select("request_id", "cut"), on="request_id")
             .sort("cut", "lookup_ns", "arrival_ns", "request_id", "position")
             .with_columns(reusable=~pl.col("block_hash").is_first_distinct()))
+    memory.check()  # a safe point of the analysis' memory limit (kvlens/memory.py), as after each step here
     return req, full
 
 
@@ -236,6 +240,13 @@ class Resume:
             return self.saved_at
         state = ready(self.state)
         return state.checkpoint_ns if state is not None else None
+
+    def drop(self) -> None:
+        """Wait for the reads of the previous rows still running, and drop what they read: an
+        analysis that stops before taking them closes their connection next."""
+        for rows in (self.previous, self.requests):
+            if isinstance(rows, Prefetch):
+                rows.drop()
 
 
 @dataclass(frozen=True)
@@ -514,6 +525,12 @@ class Prefetch:
             raise RuntimeError(f"the {self._table} rows of {self._scenario} were taken already")
         return rows
 
+    def drop(self) -> None:
+        """Wait for a read that was started (its cursor is the connection's), and keep nothing."""
+        if self._thread is not None:
+            self._thread.join()
+        self._rows = None
+
 
 def rows_of(rows: duckdb.DuckDBPyRelation | Prefetch) -> pl.DataFrame:
     """The rows of a ``Resume``'s relation, or of its prefetch (taken: read them once)."""
@@ -650,8 +667,11 @@ def _replay(ev: dict[str, np.ndarray], places: np.ndarray, req: pl.DataFrame, fu
     if parts is not None:
         outputs, saved = replay_partitioned_state(*args, partitions=parts.for_rows(full.height), snap=snap,
                                                   run=parts.run)
+        memory.check()
         return outputs, state if saved is None else saved
-    return replay_resume(*args, state, snap)
+    replayed = replay_resume(*args, state, snap)
+    memory.check()
+    return replayed
 
 
 def _frame(scenario: str, full: pl.DataFrame, outputs: tuple[np.ndarray, ...], group_idx: Sequence[int],

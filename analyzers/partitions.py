@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvlens import memory
 from kvlens.analyzers.replay import TIERS, block_states, decide_requests
 
 __all__ = ["ROWS_PER_PARTITION", "Counted", "Partitions", "PhaseOne", "Runner", "State", "States",
@@ -47,9 +48,12 @@ Runner = Callable[[Callable[..., Any], Iterable[PhaseOne]], Iterator[Any]]
 
 
 def in_process(fn: Callable[..., Any], parts: Iterable[PhaseOne]) -> Iterator[Any]:
-    """The default runner: one partition at a time in this process."""
+    """The default runner: one partition at a time in this process (each a safe point of the
+    analysis' memory limit, kvlens/memory.py)."""
     for args in parts:
-        yield fn(*args)
+        got = fn(*args)
+        memory.check()
+        yield got
 
 
 class Counted(Iterator[Any]):

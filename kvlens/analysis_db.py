@@ -20,6 +20,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from kvlens import memory
 from kvlens.commit import fsync_path, remove_dead_tmp, tmp_name
 from kvlens.errors import ConfigError, InputError
 from kvlens.lake import create_enum_types, open_lake
@@ -128,7 +129,7 @@ def remove_dead_leftovers(db: str | os.PathLike[str]) -> int:
     return remove_dead_tmp(final.parent.glob(f".{glob.escape(final.name)}.*.tmp*"))
 
 
-def _connect(path: Path) -> duckdb.DuckDBPyConnection:
+def _connect(path: Path, memory_limit: int | None = None) -> duckdb.DuckDBPyConnection:
     """A connection whose current database is the file ``path``, attached with ``ROW_GROUP_ROWS``
     rows per row group (a setting of the attach, not of the file: every build attaches so) and
     spilling where a connection to the file itself would (``<path>.tmp``).
@@ -149,8 +150,12 @@ def _connect(path: Path) -> duckdb.DuckDBPyConnection:
     ms; without the WAL, in 6 alternated child processes each (fastest), the 1st increment took
     1,254 ms instead of 1,314 and the 6th 1,975 ms instead of 2,036: a fixed saving, not a change
     of the 6th's ratio to the 1st."""
-    con = duckdb.connect(config={"temp_directory": str(path) + ".tmp", "fsync_mode": "NONE",
-                                 "checkpoint_threshold": CHECKPOINT_THRESHOLD})
+    config: dict[str, str | bool | int | float | list[str]] = {
+        "temp_directory": str(path) + ".tmp", "fsync_mode": "NONE",
+        "checkpoint_threshold": CHECKPOINT_THRESHOLD}
+    if memory_limit is not None:  # DuckDB's share of the analysis' limit (kvlens/memory.py): it spills past
+        config["memory_limit"] = f"{max(1, memory_limit // 2)}B"
+    con = duckdb.connect(config=config)
     try:
         con.execute(f"ATTACH {_quoted(str(path))} AS {_ALIAS} (ROW_GROUP_SIZE {ROW_GROUP_ROWS})")
         con.execute(f"USE {_ALIAS}")
@@ -177,7 +182,8 @@ def _sync_meanwhile(path: Path) -> threading.Thread:
 
 def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], compute: Compute, *,
                       base: str | os.PathLike[str] | None = None,
-                      accept: Callable[[duckdb.DuckDBPyConnection], bool] | None = None) -> Path:
+                      accept: Callable[[duckdb.DuckDBPyConnection], bool] | None = None,
+                      memory_limit: int | None = None) -> Path:
     """Build the analysis DB at ``db`` from ``lake``; ``compute`` yields (table, frame) pairs.
 
     It is written under a hidden name that carries this process's id, beside the target, and
@@ -185,7 +191,8 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
     ``base``: an analysis DB of this schema version to start from, copied (``compute`` then
     deletes what it replaces): unchanged rows are not written again. ``accept``: asked, with the
     copy open, whether it can be the start (one connection instead of a second to check the base
-    first); when it says no, the DB is built in a new file.
+    first); when it says no, the DB is built in a new file. ``memory_limit``: the analysis' limit in
+    bytes (``kvlens analyze --memory-limit``); DuckDB gets half of it, and spills past that.
     """
     final = _target(db)
     remove_dead_leftovers(final)
@@ -195,13 +202,13 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
         if base is not None:
             shutil.copyfile(base, tmp)
             early = _sync_meanwhile(tmp)
-        con = _connect(tmp)
+        con = _connect(tmp, memory_limit)
         if base is not None and accept is not None and not accept(con):
             con.close()
             for copied in (tmp, tmp.with_name(tmp.name + ".wal")):
                 copied.unlink(missing_ok=True)
             base = None
-            con = _connect(tmp)
+            con = _connect(tmp, memory_limit)
         try:
             # The ledger reads its previous rows back in the order they were written (the default).
             con.execute("SET preserve_insertion_order = true")
@@ -209,11 +216,18 @@ def build_analysis_db(db: str | os.PathLike[str], lake: str | os.PathLike[str], 
             open_lake(con, lake)
             if base is None:
                 _create_tables(con)
+            pairs = compute(con)
             try:
-                for name, frame in compute(con):
+                for name, frame in pairs:
                     _insert(con, name, frame)
+                    memory.check()  # past the analysis' memory limit it stops here, between tables
             except duckdb.Error as e:
                 raise _lake_read_error(e, lake) from None
+            finally:
+                close = getattr(pairs, "close", None)  # a generator's own cleanup, before the DB closes
+                if close is not None:
+                    close()
+            memory.check()
             con.execute("CHECKPOINT")
         finally:
             con.close()

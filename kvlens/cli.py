@@ -2,7 +2,7 @@
 
 Every KvlensError, and every usage error (a missing or bad flag, an unknown command), becomes
 one ``Error:`` line and exit status 1 (click's default for usage errors is 2, with the usage
-text); bugs keep their tracebacks.
+text; a command stopped at its ``--memory-limit`` exits 3); bugs keep their tracebacks.
 """
 
 from __future__ import annotations
@@ -178,15 +178,18 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
     """
     from kvlens.analyzers.analyze import analyze_lake
     from kvlens.analyzers.partitions import Partitions
+    from kvlens.memory import MemoryGuard
 
     count, ray = flags.pop("partitions"), flags.pop("ray")
+    limit = flags["memory_limit"]
+    guard: AbstractContextManager[Any] = MemoryGuard(limit) if limit is not None else nullcontext()
     if ray is not None:
         from kvlens.analyzers.ray_runner import ray_partitions
 
         where: AbstractContextManager[Partitions | None] = ray_partitions(ray or None, count)
     else:
         where = nullcontext(Partitions(count) if count else None)
-    with where as partitions:
+    with guard, where as partitions:
         result = analyze_lake(model=given_model(model, model_config), progress=items_bar("analyze"),
                               partitions=partitions, **flags)
     for scenario, mode, why in result.modes:

@@ -19,7 +19,7 @@ from typing import Any
 
 import click
 
-from kvlens.errors import ConfigError, InputError, KvlensError
+from kvlens.errors import MEMORY_EXIT, ConfigError, InputError, KvlensError
 
 __all__ = ["Group", "LazyChoice", "given_model", "items_bar", "model_name", "own_the_process", "parse_now",
            "parse_token_ids", "progress_bar", "stopped_by_signals"]
@@ -38,8 +38,15 @@ def _usage_error(e: click.UsageError) -> click.ClickException:
     return click.ClickException(f"{_one_line(e.format_message())} (see {where} --help)")
 
 
+class _StoppedAtLimit(click.ClickException):
+    """A command stopped at its --memory-limit: its own exit status, for a supervisor to count."""
+
+    exit_code = MEMORY_EXIT
+
+
 class Group(click.Group):
-    """Turns a KvlensError or a usage error from any command into one ``Error:`` line and exit 1."""
+    """Turns a KvlensError or a usage error from any command into one ``Error:`` line and exit 1
+    (3 for a command stopped at its memory limit: ``MemoryLimitError``)."""
 
     def make_context(self, info_name: str | None, args: list[str], parent: click.Context | None = None,
                      **extra: Any) -> click.Context:
@@ -52,7 +59,8 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except KvlensError as e:
-            raise click.ClickException(_one_line(str(e))) from e
+            kind = _StoppedAtLimit if e.exit_code == MEMORY_EXIT else click.ClickException
+            raise kind(_one_line(str(e))) from e
         except click.UsageError as e:
             raise _usage_error(e) from None
 

@@ -13,11 +13,30 @@ from typing import Any
 
 import click
 
-__all__ = ["analyze_options", "collect_otlp_options", "collect_scrape_options", "collect_vllm_options",
-           "compact_options", "dashboard_options", "duration_option", "export_options", "gateway_options",
-           "hash_key_options", "import_options", "mail_options", "model_config_option", "options",
+__all__ = ["SizeType", "analyze_options", "collect_otlp_options", "collect_scrape_options",
+           "collect_vllm_options", "compact_options", "dashboard_options", "duration_option",
+           "export_options", "gateway_options", "hash_key_options", "import_options", "mail_options",
+           "model_config_option", "options",
            "probe_options", "report_options", "serve_options", "sim_options", "simulate_options",
            "sql_options"]
+
+
+class SizeType(click.ParamType):
+    """A size in bytes (kvlens/memory.py ``parse_size``: 4GiB, 512MiB, 2G)."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        from kvlens.errors import ConfigError
+        from kvlens.memory import parse_size
+
+        flag = f"--{param.name.replace('_', '-')}" if param is not None and param.name else "SIZE"
+        try:
+            return parse_size(str(value), flag)
+        except ConfigError as e:
+            self.fail(str(e), param, ctx)
 
 
 def options(*decorators: Callable[[Any], Any]) -> Callable[[Any], Any]:
@@ -233,6 +252,10 @@ analyze_options = options(
                       "ray://head:10001), or on a local cluster started for this run (pip install "
                       "'kvlens[ray]'); without --partitions, two per CPU of the cluster, more for a "
                       "scenario over 4M needed blocks per partition."),
+    click.option("--memory-limit", "memory_limit", type=SizeType(), default=None, metavar="SIZE",
+                 help="Stop (exit status 3, the previous analysis DB unchanged) once this process's "
+                      "resident memory passes SIZE (4GiB, 512MiB, 2G = 2*10^9 bytes); DuckDB gets half of it "
+                      "and spills past that. Ray's workers are not counted."),
 )
 
 # kvlens probe's flags, named as gpu_probe/run.py's probe_machine arguments.
@@ -327,6 +350,10 @@ serve_options = options(
     click.option("--db", required=True, type=click.Path(dir_okay=False), help="Analysis DB kept up to date."),
     click.option("--analyze-every", default="5m", show_default=True, metavar="DURATION",
                  help="Run kvlens analyze this often (30s, 5m, 1h)."),
+    click.option("--analyze-memory-limit", "analyze_memory_limit", type=SizeType(), default=None,
+                 metavar="SIZE", help="Give each periodic kvlens analyze this --memory-limit (4GiB): past it "
+                 "the analysis stops and the previous DB stays, before the kernel's OOM killer picks a "
+                 "collector. Counted as analyses{result=\"over_memory_limit\"}."),
     click.option("--dashboard", is_flag=True, help="Also serve the Streamlit dashboard (--dashboard-port)."),
     click.option("--dashboard-port", type=click.IntRange(1, 65535), default=8501, show_default=True),
     click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,

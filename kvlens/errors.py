@@ -6,7 +6,9 @@
     ├── SchemaVersionError      a lake or database written by another schema version
     ├── NoDataError             a query or analysis found nothing to work on
     │   └── EmptyReplaceError   a replace (an import) read no rows; the scenario was kept
-    └── ReadOnlyError           a write was attempted through a read-only interface
+    ├── ReadOnlyError           a write was attempted through a read-only interface
+    └── MemoryLimitError        a command's resident memory passed its --memory-limit; exit
+                                status MEMORY_EXIT (3), so a supervisor tells it from a failure
 
 A message says what is wrong, where, and what to do. Bugs are not KvlensErrors and keep
 their tracebacks.
@@ -15,18 +17,27 @@ their tracebacks.
 from __future__ import annotations
 
 __all__ = [
+    "MEMORY_EXIT",
     "ConfigError",
     "EmptyReplaceError",
     "InputError",
     "KvlensError",
+    "MemoryLimitError",
     "NoDataError",
     "ReadOnlyError",
     "SchemaVersionError",
 ]
 
 
+# The exit status of a command stopped at its memory limit (kvlens/memory.py): ``kvlens serve``
+# counts its analyses that end so apart from the ones that fail.
+MEMORY_EXIT = 3
+
+
 class KvlensError(Exception):
-    """An error the operator can fix; its message is one line."""
+    """An error the operator can fix; its message is one line. The CLI exits with ``exit_code``."""
+
+    exit_code = 1
 
 
 class InputError(KvlensError):
@@ -63,3 +74,9 @@ class EmptyReplaceError(NoDataError):
 
 class ReadOnlyError(KvlensError):
     """A statement that would write, sent through a read-only interface."""
+
+
+class MemoryLimitError(KvlensError):
+    """The command's resident memory passed the limit it was given (kvlens/memory.py)."""
+
+    exit_code = MEMORY_EXIT

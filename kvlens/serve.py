@@ -20,9 +20,11 @@ it writes the DB under a temporary name and renames it into place (kvlens/analys
 a ``kill -9`` of serve mid-analysis (the analysis dies with it) leaves the previous DB whole,
 and the next start analyzes at once when the DB is older than one period. serve's own
 ``/metrics`` (``--metrics-port``) counts restarts by child, last exit statuses, analyses run
-and the last analysis's duration, all measured. SIGTERM or SIGINT stop every child (the
-collectors flush on their SIGTERM) and return; any other death of serve ends them too
-(PR_SET_PDEATHSIG).
+and the last analysis's duration, all measured. ``--analyze-memory-limit`` gives every analysis a
+``--memory-limit`` (kvlens/memory.py): one that grows past it stops itself (status 3, counted
+``over_memory_limit``) before the kernel's OOM killer picks a collector. SIGTERM or SIGINT stop
+every child (the collectors flush on their SIGTERM) and return; any other death of serve ends them
+too (PR_SET_PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvlens.config import Config, load_config
-from kvlens.errors import ConfigError
+from kvlens.errors import MEMORY_EXIT, ConfigError
+from kvlens.memory import format_bytes
 from kvlens.supervise import StopScope, Supervisor, parse_listen, stop_scope
 
 __all__ = [
@@ -59,6 +62,7 @@ class ServeOptions:
     lake: str
     db: str
     analyze_every_s: float = 300.0
+    analyze_memory_limit: int | None = None  # bytes: each analysis' --memory-limit (kvlens/memory.py)
     dashboard: bool = False
     dashboard_port: int = 8501
     metrics_port: int | None = None
@@ -115,6 +119,8 @@ def analyze_args(o: ServeOptions) -> list[str]:
     in ``live`` itself, requests without blocks would make the analysis refuse the scenario.
     """
     args = ["analyze", "--lake", o.lake, "--db", o.db]
+    if o.analyze_memory_limit is not None:
+        args += ["--memory-limit", str(o.analyze_memory_limit)]
     if any((Path(o.lake) / "requests" / f"scenario={SPANS_SCENARIO}").glob("date=*/*.parquet")):
         args += ["--join", SPANS_SCENARIO]
     return args
@@ -167,7 +173,8 @@ class ServeMetrics:
         self.exit_status = Gauge(p + "child_last_exit_status", "Exit status of each child's last exit "
                                  "(128+N: killed by signal N)", ["child"], registry=r)
         self.up = Gauge(p + "child_up", "1 while the child runs", ["child"], registry=r)
-        self.analyses = Counter(p + "analyses", "kvlens analyze runs finished, by result", ["result"],
+        self.analyses = Counter(p + "analyses", "kvlens analyze runs finished, by result (ok, failed, "
+                                "over_memory_limit: stopped at --analyze-memory-limit)", ["result"],
                                 registry=r)
         self.duration = Gauge(p + "last_analysis_duration_seconds", "Wall time of the last finished analysis",
                               registry=r)
@@ -264,10 +271,16 @@ class Serving:
 
     def _analysis_done(self, status: int, now: float) -> None:
         self.metrics.exit_status.labels(child=ANALYZE).set(status)
-        self.metrics.analyses.labels(result="ok" if status == 0 else "failed").inc()
+        over = status == MEMORY_EXIT and self.opt.analyze_memory_limit is not None
+        self.metrics.analyses.labels(result="ok" if status == 0 else "over_memory_limit" if over
+                                     else "failed").inc()
         self.metrics.duration.set(now - self._analysis_started)
         if status == 0:
             self.metrics.finished.set(time.time())
+        elif over:
+            log.warning("kvlens analyze stopped at --analyze-memory-limit %s; the previous analysis DB "
+                        "stays: raise the limit (its stderr above says how far it got)",
+                        format_bytes(self.opt.analyze_memory_limit or 0))
         else:
             log.warning("kvlens analyze exited with status %d; the previous analysis DB stays", status)
         self._next_analysis = max(now, self._analysis_started + self.opt.analyze_every_s)
