@@ -245,6 +245,35 @@ def test_kill_9_mid_analysis_keeps_the_previous_db_and_the_next_start_completes_
     assert not list(tmp_path.glob(".kvlens.duckdb.*")), "a killed build's leftovers stayed"
 
 
+def test_an_analysis_past_its_memory_limit_stops_and_serve_counts_it_and_goes_on(
+        tmp_path: Path, mooncake3: Path) -> None:
+    lake, db = tmp_path / "lake", tmp_path / "kvlens.duckdb"
+    import_files("mooncake", [mooncake3], lake, scenario="conv")
+    analyze_lake(lake, db)  # the previous DB, which every stopped analysis leaves as it was
+    before = tables(db)
+    mtime = db.stat().st_mtime_ns
+    config = tmp_path / "kvlens.toml"
+    config.write_text("# no replicas: serve runs only the periodic analysis here\n")
+    # far below what any analysis holds: each one stops (exit status 3)
+    serve = _Serve(tmp_path, config, lake, db, "--otlp-listen", "off", "--no-export",
+                   "--analyze-memory-limit", "64MiB")
+    over = ("kvlens_serve_analyses_total", (("result", "over_memory_limit"),))
+    try:
+        _wait(lambda: _scrape(serve.metrics_port).get(over, 0.0) >= 2,
+              f"two analyses stopped at the limit ({serve.log.read_text()[-2000:]})", serve.proc)
+        got = _scrape(serve.metrics_port)
+        assert got.get(("kvlens_serve_analyses_total", (("result", "ok"),)), 0.0) == 0
+        assert got.get(("kvlens_serve_analyses_total", (("result", "failed"),)), 0.0) == 0
+        assert got[("kvlens_serve_child_last_exit_status", (("child", "analyze"),))] == 3
+        serve.proc.send_signal(signal.SIGTERM)
+        assert serve.proc.wait(timeout=DEADLINE_S) == 0
+    finally:
+        serve.close()
+    log = serve.log.read_text()
+    assert "over --memory-limit 64 MiB" in log and "stopped at --analyze-memory-limit 64 MiB" in log
+    assert db.stat().st_mtime_ns == mtime and tables(db) == before
+
+
 def _cmdline(pid: int) -> bytes:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
