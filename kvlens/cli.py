@@ -178,7 +178,7 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
     """
     from kvlens.analyzers.analyze import analyze_lake
     from kvlens.analyzers.partitions import Partitions
-    from kvlens.memory import MemoryGuard
+    from kvlens.memory import MemoryGuard, format_bytes, peak_resident_bytes
 
     count, ray = flags.pop("partitions"), flags.pop("ray")
     limit = flags["memory_limit"]
@@ -194,6 +194,9 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
                               partitions=partitions, **flags)
     for scenario, mode, why in result.modes:
         click.echo(f"{scenario}: {mode} ({why})", err=True)
+    peak = peak_resident_bytes()
+    if peak is not None:  # what --memory-limit compares with (Ray's workers not counted)
+        click.echo(f"peak resident memory: {format_bytes(peak)} (measured)", err=True)
     click.echo(f"analysis DB written: {result.db}")
 
 

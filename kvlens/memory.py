@@ -39,7 +39,7 @@ from types import TracebackType
 from kvlens.errors import MEMORY_EXIT, ConfigError, MemoryLimitError
 
 __all__ = ["ANALYSIS_HINT", "EVERY_S", "GRACE_S", "HARD_FACTOR", "MemoryGuard", "check", "format_bytes",
-           "parse_size", "resident_bytes"]
+           "parse_size", "peak_resident_bytes", "resident_bytes"]
 
 EVERY_S = 0.02  # how often the watchdog reads the resident memory (a read of /proc/self/statm)
 GRACE_S = 10.0  # from the stop to the end of the process, when no safe point was reached
@@ -83,6 +83,19 @@ def resident_bytes() -> int:
     """This process's resident memory now (``/proc/self/statm``: resident pages)."""
     with open(_STATM, "rb") as f:
         return int(f.read().split()[1]) * _PAGE
+
+
+def peak_resident_bytes(pid: int | str = "self") -> int | None:
+    """The most resident memory process ``pid`` (default: this one) has held so far (``VmHWM`` of
+    ``/proc/PID/status``); None where there is no such file (not Linux, or the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 _ACTIVE: list[MemoryGuard] = []  # the guards this process keeps now (``check``)

@@ -42,7 +42,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from kvlens.config import Config, load_config
 from kvlens.errors import MEMORY_EXIT, ConfigError
-from kvlens.memory import format_bytes
+from kvlens.memory import format_bytes, peak_resident_bytes
 from kvlens.supervise import StopScope, Supervisor, parse_listen, stop_scope
 
 __all__ = [
@@ -180,6 +180,8 @@ class ServeMetrics:
                               registry=r)
         self.finished = Gauge(p + "last_analysis_end_timestamp_seconds", "When the last good analysis ended",
                               registry=r)
+        self.peak = Gauge(p + "last_analysis_peak_rss_bytes", "Peak resident memory of the last finished "
+                          "analysis (its VmHWM, read every tick while it ran)", registry=r)
 
     def value(self, name: str, **labels: str) -> float:
         v = self.registry.get_sample_value(name, labels or None)
@@ -206,6 +208,7 @@ class Serving:
                         if (argv := s.argv(options, self.config)) is not None}
         self._state = {name: _Restart() for name in self.daemons}
         self._analysis_started = 0.0
+        self._analysis_peak = 0  # bytes: the running analysis's VmHWM as last read
         self._next_analysis = self._first_analysis()
 
     def stop(self) -> None:
@@ -256,7 +259,11 @@ class Serving:
         if not self.sup.running(ANALYZE) and now >= self._next_analysis:
             self.sup.start(ANALYZE, self._cmd(analyze_args(self.opt)))
             self._analysis_started = now
+            self._analysis_peak = 0
             self.metrics.up.labels(child=ANALYZE).set(1)
+        analysis = self.sup.children.get(ANALYZE)
+        if analysis is not None:  # its high-water mark so far (what --analyze-memory-limit compares with)
+            self._analysis_peak = max(self._analysis_peak, peak_resident_bytes(analysis.pid) or 0)
 
     def _exited(self, name: str, status: int, now: float) -> None:
         st = self._state[name]
@@ -275,6 +282,8 @@ class Serving:
         self.metrics.analyses.labels(result="ok" if status == 0 else "over_memory_limit" if over
                                      else "failed").inc()
         self.metrics.duration.set(now - self._analysis_started)
+        if self._analysis_peak:
+            self.metrics.peak.set(self._analysis_peak)
         if status == 0:
             self.metrics.finished.set(time.time())
         elif over:

@@ -194,6 +194,10 @@ def test_the_command_past_its_limit_exits_3_and_the_next_build_clears_what_it_le
     # a limit it stays under: the same analysis as without one, and the ended build's file is gone
     roomy = _kvlens("analyze", "--lake", str(lake), "--db", str(db), "--full", "--memory-limit", "16GiB")
     assert roomy.returncode == 0, roomy.stderr
+    # what it held at most, to choose a limit by: more than the interpreter with its imports
+    peak = roomy.stderr.split("peak resident memory: ")[1].split(" (measured)")[0]
+    assert peak.endswith("MiB") or peak.endswith("GiB")
+    assert float(peak.split()[0]) * (1 if peak.endswith("MiB") else 1024) > 64
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".kvlens.duckdb.")], "leftovers"
     assert _digest(db) != before
     other = tmp_path / "plain.duckdb"

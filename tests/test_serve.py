@@ -171,6 +171,7 @@ def test_serve_runs_the_fleet_analyzes_each_period_and_stops_clean(ctx: zmq.Cont
         assert m[("kvlens_serve_child_up", (("child", "collect-vllm"),))] == 1
         assert m[("kvlens_serve_child_up", (("child", "export"),))] == 1
         assert m[("kvlens_serve_last_analysis_duration_seconds", ())] > 0
+        assert m[("kvlens_serve_last_analysis_peak_rss_bytes", ())] > 64 << 20  # its VmHWM, as read
         exported = _scrape(export)
         assert any(name.startswith("kvlens_") for name, _ in exported)  # the export serves the new DB
         _wait(lambda: _answers(f"http://127.0.0.1:{dashboard}/_stcore/health"), "the dashboard serves",
