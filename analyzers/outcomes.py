@@ -218,7 +218,6 @@ def _ordered(req: pl.DataFrame, full: pl.DataFrame) -> tuple[pl.DataFrame, pl.Da
     full = (full.join(req.select("request_id", "cut"), on="request_id")
             .sort("cut", "lookup_ns", "arrival_ns", "request_id", "position")
             .with_columns(reusable=~pl.col("block_hash").is_first_distinct()))
-    memory.check()  # a safe point of the analysis' memory limit (kvlens/memory.py), as after each step here
     return req, full
 
 

@@ -16,9 +16,8 @@ import click
 __all__ = ["SizeType", "analyze_options", "collect_otlp_options", "collect_scrape_options",
            "collect_vllm_options", "compact_options", "dashboard_options", "duration_option",
            "export_options", "gateway_options", "hash_key_options", "import_options", "mail_options",
-           "model_config_option", "options",
-           "probe_options", "report_options", "serve_options", "sim_options", "simulate_options",
-           "sql_options"]
+           "model_config_option", "options", "probe_options", "report_options", "serve_options",
+           "sim_options", "simulate_options", "sql_options"]
 
 
 class SizeType(click.ParamType):
