@@ -84,6 +84,21 @@ def scenario_rows(con: duckdb.DuckDBPyConnection, table: str, scenario: str) -> 
     return con.table(table).filter(duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario))
 
 
+def scenario_row(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry, *,
+                 requests: duckdb.DuckDBPyRelation, counted: int, needed_blocks: int,
+                 model_source: str) -> pl.DataFrame:
+    """``scenario``'s row of table ``scenarios``: its model and where it came from, its counts
+    (``counted`` requests in its request ledger, ``needed_blocks`` outcome rows) and where its
+    figures come from (analyzers/provenance.py, from ``requests``)."""
+    origin = scenario_provenance(requests=requests, simulations=scenario_rows(con, "simulations", scenario))
+    return pl.DataFrame({
+        "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [model.kv_bytes_per_token()],
+        "requests": [counted], "needed_blocks": [needed_blocks],
+        "analyzed_ns": [time.time_ns()], "model_source": [model_source], "provenance": [origin.provenance],
+        "sources": [origin.sources], "ttft_label": [origin.ttft_label], "assumptions": [origin.assumptions]},
+        schema_overrides={"ttft_label": pl.String, "assumptions": pl.String})
+
+
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,
                      *, cache_tokens: int | None = None, join: Sequence[str] = (),
                      metrics_from: str | None = None, model_source: str = "given",
@@ -127,13 +142,8 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
         summed = result.appended
     per_request = mark_incomplete(request_ledger(block_outcomes=summed, requests=requests, settled=settled),
                                   gaps, clears)
-    origin = scenario_provenance(requests=requests, simulations=scenario_rows(con, "simulations", scenario))
-    yield "scenarios", pl.DataFrame({
-        "scenario": [scenario], "model": [model.name], "kv_bytes_per_token": [per_token],
-        "requests": [per_request.height], "needed_blocks": [outcomes.height],
-        "analyzed_ns": [time.time_ns()], "model_source": [model_source], "provenance": [origin.provenance],
-        "sources": [origin.sources], "ttft_label": [origin.ttft_label], "assumptions": [origin.assumptions]},
-        schema_overrides={"ttft_label": pl.String, "assumptions": pl.String})
+    yield "scenarios", scenario_row(con, scenario, model, requests=requests, counted=per_request.height,
+                                    needed_blocks=outcomes.height, model_source=model_source)
     yield "block_outcomes", outcomes
     yield "request_ledger", per_request
     # The analyses that save a state come first, each state packed on the state worker

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
@@ -22,11 +23,13 @@ import polars as pl
 
 from kvlens.analysis_db import build_analysis_db
 from kvlens.analyzers import incremental
+from kvlens.commit import tmp_name
 from kvlens.errors import ConfigError, NoDataError
-from kvlens.models import DEFAULT_MODEL, ModelGeometry, get_model
+from kvlens.models import DEFAULT_MODEL, ModelGeometry, get_model, group_bytes_per_token
 
 if TYPE_CHECKING:
     from kvlens.analyzers import LedgerPlan
+    from kvlens.analyzers.out_of_core import OutOfCore
     from kvlens.analyzers.partitions import Partitions
 
 __all__ = ["AnalyzeResult", "analyze_lake", "scenario_model"]
@@ -73,15 +76,27 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                  model: ModelGeometry | None = None, *, cache_tokens: int | None = None,
                  join: Sequence[str] = (), metrics_from: str | None = None,
                  progress: Progress | None = None, full: bool = False,
-                 partitions: Partitions | None = None, memory_limit: int | None = None) -> AnalyzeResult:
+                 partitions: Partitions | None = None, memory_limit: int | None = None,
+                 out_of_core: OutOfCore | None = None) -> AnalyzeResult:
     """(Re)build ``db`` from ``lake``: every analysis of each of ``scenarios`` (default: all but the
     ``join`` sources), with ``model`` or each scenario's own (``scenario_model``). A scenario whose
     inputs are those the previous ``db`` recorded is copied from it unless ``full``. ``partitions``:
     replay each analyzed scenario's ledger in block-hash partitions (analyzers/partitions.py), in
     this process or on Ray; the outcomes are the same. ``memory_limit``: the bytes this analysis may
     hold (``kvlens analyze --memory-limit`` keeps it: kvlens/memory.py); DuckDB gets half, and spills
-    past it."""
+    past it. ``out_of_core``: compute each scenario's ledger alone with bounded memory, spilling to a
+    directory beside ``db`` (analyzers/out_of_core.py); every scenario is rebuilt and saves no
+    incremental state."""
     from kvlens.analyzers import LedgerPlan, analyze_scenario
+
+    if out_of_core is not None:
+        given = [flag for flag, on in (("--join", join), ("--metrics-from", metrics_from),
+                                       ("--cache-tokens", cache_tokens), ("--ray", partitions)) if on]
+        if given:
+            raise ConfigError(f"{', '.join(given)} cannot go with --out-of-core: out of core computes the "
+                              "ledger alone (block_outcomes, request_ledger, miss_ledger); drop "
+                              f"{'them' if len(given) > 1 else 'it'}, or analyze without --out-of-core")
+        return _out_of_core(lake, db, scenarios, model, progress, memory_limit, out_of_core)
 
     done: list[str] = []
     models: list[tuple[str, str, str]] = []
@@ -98,12 +113,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
         return base is not None
 
     def compute(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
-        present = [r[0] for r in con.execute(SCENARIOS_SQL).fetchall()]
-        chosen = list(scenarios) or [p for p in present if p not in join]
-        unknown = sorted((set(chosen) | set(join)) - set(present))
-        if unknown:
-            raise NoDataError(f"scenario(s) {', '.join(unknown)} have no requests in lake {lake}: "
-                              f"present are {', '.join(present) or 'none'}")
+        chosen = _chosen(con, lake, scenarios, join)
         state = incremental.previous_state(con, previous) if not full else "--full given"
         no_state, before = (state, {}) if isinstance(state, str) else (None, state)
         wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
@@ -173,6 +183,78 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
 
 
+def _chosen(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], scenarios: Sequence[str],
+            join: Sequence[str]) -> list[str]:
+    """The scenarios to analyze: ``scenarios``, or every scenario of the lake but the ``join``
+    sources; NoDataError naming any that has no requests."""
+    present = [r[0] for r in con.execute(SCENARIOS_SQL).fetchall()]
+    chosen = list(scenarios) or [p for p in present if p not in join]
+    unknown = sorted((set(chosen) | set(join)) - set(present))
+    if unknown:
+        raise NoDataError(f"scenario(s) {', '.join(unknown)} have no requests in lake {lake}: "
+                          f"present are {', '.join(present) or 'none'}")
+    return chosen
+
+
+def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scenarios: Sequence[str],
+                 model: ModelGeometry | None, progress: Progress | None, memory_limit: int | None,
+                 plan: OutOfCore) -> AnalyzeResult:
+    """``analyze_lake`` out of core: each scenario's ledger tables (analyzers/out_of_core.py) in a new
+    DB, with DuckDB's memory bounded (``DUCKDB_MEMORY`` when no limit is given) and the spills in a
+    directory beside ``db`` named as its temporary file is (a killed run's is removed by the next
+    build, ``remove_dead_leftovers``)."""
+    from kvlens.analyzers import scenario_row
+    from kvlens.analyzers.out_of_core import DUCKDB_MEMORY, OutOfCoreResult, ledger_out_of_core
+
+    final = Path(db).resolve()
+    done: list[str] = []
+    models: list[tuple[str, str, str]] = []
+    modes: list[tuple[str, str, str]] = []
+
+    def compute(con: duckdb.DuckDBPyConnection) -> Iterator[tuple[str, pl.DataFrame]]:
+        chosen = _chosen(con, lake, scenarios, ())
+        if memory_limit is None:
+            con.execute(f"SET memory_limit = '{DUCKDB_MEMORY}'")
+        wrapped: AbstractContextManager[Any] = progress(chosen) if progress else nullcontext(chosen)
+        with wrapped as each:
+            for scenario in each:
+                geometry, source = scenario_model(con, scenario, model)
+                result = OutOfCoreResult()
+                spill = final.with_name(tmp_name(final.name) + ".ooc")
+                try:
+                    yield from ledger_out_of_core(
+                        con, lake, scenario, spill, bytes_per_token=geometry.kv_bytes_per_token(),
+                        group_bytes_per_token=group_bytes_per_token(geometry), plan=plan, result=result,
+                        say=_saying(each, scenario))
+                finally:
+                    shutil.rmtree(spill, ignore_errors=True)
+                yield "scenarios", scenario_row(
+                    con, scenario, geometry, requests=con.table("requests").filter(
+                        duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)),
+                    counted=result.requests, needed_blocks=result.needed_blocks, model_source=source)
+                log.info("scenario %s: full (%s)", scenario, result.said())
+                done.append(scenario)
+                models.append((scenario, geometry.name, source))
+                modes.append((scenario, "full", f"--out-of-core given; {result.said()}"))
+
+    path = build_analysis_db(db, lake, compute, memory_limit=memory_limit)
+    return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))
+
+
+def _saying(bar: Any, scenario: str) -> Callable[[str], object]:
+    """What shows a step beside the scenario on the progress bar ("rr8: ledger partition 3/8"; a
+    click bar's ``update(0, item)`` does not redraw: the item is set and the bar drawn)."""
+    render = getattr(bar, "render_progress", None)
+
+    def say(text: str) -> None:
+        if render is not None:
+            bar.current_item = f"{scenario}: {text}"
+            render()
+        log.debug("scenario %s: %s", scenario, text)
+
+    return say
+
+
 def _replacing(con: duckdb.DuckDBPyConnection, scenario: str, pairs: Iterable[tuple[str, pl.DataFrame]],
                plan: LedgerPlan) -> Iterator[tuple[str, pl.DataFrame]]:
     """``pairs`` for a copy of the previous DB whose other rows of ``scenario`` are gone: its
@@ -204,15 +286,9 @@ def _shown(partitions: Partitions | None, bar: Any, scenario: str) -> Partitions
     """``partitions`` whose partitions, as each is gathered, show on the progress bar beside the
     scenario ("rr8: ledger partition 3/8"): a run on a cluster can take minutes per scenario. (A
     click bar's ``update(0, item)`` does not redraw: the item is set and the bar drawn.)"""
-    render = getattr(bar, "render_progress", None)
-    if partitions is None or render is None:
+    if partitions is None or getattr(bar, "render_progress", None) is None:
         return partitions
-
-    def show(text: str) -> None:
-        bar.current_item = f"{scenario}: {text}"
-        render()
-
-    return partitions.saying(show)
+    return partitions.saying(_saying(bar, scenario))
 
 
 def _ledger_said(scenario: str, decision: incremental.Decision, plan: LedgerPlan) -> incremental.Decision:

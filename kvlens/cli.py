@@ -27,6 +27,7 @@ from kvlens.cli_kit import (
     progress_bar,
 )
 from kvlens.cli_kit import stopped_by_signals as _stopped_by_signals
+from kvlens.errors import ConfigError
 
 __all__ = ["cli", "main"]
 
@@ -180,13 +181,21 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
     from kvlens.analyzers.partitions import Partitions
     from kvlens.memory import MemoryGuard, format_bytes, peak_resident_bytes
 
-    count, ray = flags.pop("partitions"), flags.pop("ray")
+    count, ray, out_of_core = flags.pop("partitions"), flags.pop("ray"), flags.pop("out_of_core")
     limit = flags["memory_limit"]
     guard: AbstractContextManager[Any] = MemoryGuard(limit) if limit is not None else nullcontext()
-    if ray is not None:
+    if out_of_core:
+        from kvlens.analyzers.out_of_core import OutOfCore
+
+        if ray is not None:
+            raise ConfigError("--ray cannot go with --out-of-core: out of core runs its partitions in this "
+                              "process; drop one of them")
+        flags["out_of_core"] = OutOfCore(partitions=count)
+        where: AbstractContextManager[Partitions | None] = nullcontext(None)
+    elif ray is not None:
         from kvlens.analyzers.ray_runner import ray_partitions
 
-        where: AbstractContextManager[Partitions | None] = ray_partitions(ray or None, count)
+        where = ray_partitions(ray or None, count)
     else:
         where = nullcontext(Partitions(count) if count else None)
     with guard, where as partitions:

@@ -52,6 +52,7 @@ __all__ = [
     "lake_info",
     "latest_checkpoint",
     "open_lake",
+    "positioned_sql",
     "segment_files",
     "write_scenario",
     "writer_checkpoints",
@@ -413,11 +414,12 @@ def _uniform_schema(files: list[Path]) -> pa.Schema | None:
     return first
 
 
-def _view_sql(con: duckdb.DuckDBPyConnection, lake: Path, table: Table) -> str:
+def _view_sql(con: duckdb.DuckDBPyConnection, lake: Path, table: Table, *, positions: bool = False) -> str:
     files = segment_files(lake, table.name)
+    where = ", CAST(NULL AS VARCHAR) AS _segment, CAST(NULL AS BIGINT) AS _row" if positions else ""
     if not files:
         cols = ", ".join(f"CAST(NULL AS {c.type}) AS {c.name}" for c in table.columns)
-        return f"SELECT {cols} WHERE false"
+        return f"SELECT {cols}{where} WHERE false"
     glob = str((lake / table.name).resolve()) + "/scenario=*/date=*/*.parquet"
     # Segments written before a column was added lack it: DuckDB then matches columns by name
     # across files (union_by_name), which reads every file's footer at each query's bind. When
@@ -425,7 +427,8 @@ def _view_sql(con: duckdb.DuckDBPyConnection, lake: Path, table: Table) -> str:
     # bind over 6 segments costs half as much, and an analysis binds some 150 queries.
     uniform = _uniform_schema(files)
     source = (f"read_parquet({_literal(glob)}, hive_partitioning = true, "
-              f"union_by_name = {'false' if uniform is not None else 'true'}, hive_types_autocast = false)")
+              f"union_by_name = {'false' if uniform is not None else 'true'}, hive_types_autocast = false"
+              f"{', filename = true, file_row_number = true' if positions else ''})")
     # A column added to the schema after a lake's segments were written is NULL there.
     try:
         present = {row[0] for row in con.execute(f"DESCRIBE SELECT * FROM {source}").fetchall()}
@@ -437,7 +440,17 @@ def _view_sql(con: duckdb.DuckDBPyConnection, lake: Path, table: Table) -> str:
         else f"CAST(NULL AS {c.type}) AS {c.name}"
         for c in table.columns
     )
-    return f"SELECT {cols} FROM {source}"
+    where = ", filename AS _segment, file_row_number AS _row" if positions else ""
+    return f"SELECT {cols}{where} FROM {source}"
+
+
+def positioned_sql(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], table: str) -> str:
+    """The SELECT of ``table``'s lake view (``open_lake``) with two more columns: ``_segment``,
+    the path of the segment a row is read from, and ``_row``, its row number there. A scan of the
+    view reads the segments in path order (DuckDB sorts a glob's files) and each in row order, so
+    ordering by (``_segment``, ``_row``) is the order a scan of the view returns: what a sort that
+    must break ties as a stable sort of that scan does orders by last (analyzers/out_of_core.py)."""
+    return _view_sql(con, Path(lake), TABLES[table], positions=True)
 
 
 def open_lake(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], *,

@@ -1,0 +1,517 @@
+"""Analyzers: the ledger of a lake larger than memory, in one process (issue 17, ``kvlens analyze
+--out-of-core``).
+
+The one-process ledger (analyzers/outcomes.py) holds every event, every needed block and every
+outcome of a scenario in memory at once: measured, about 600 bytes per block access, so this
+24 GiB machine stops near 35M accesses. Here the same outcomes are computed with one block-hash
+partition's rows, or one range of requests' rows, in memory at a time. Everything else is in
+Parquet files that DuckDB writes, joins and sorts (spilling past its memory limit), in a
+directory beside the analysis DB that is removed at the end (a killed run's is removed by the
+next build, as its temporary DB is).
+
+1. **Codes and checks**: one aggregate over the scenario's events gives the location codes in
+   order of first appearance in the sorted stream, the KV cache groups, the groups each location
+   publishes and their sliding windows: what ``ledger_outcomes`` derives from its arrays.
+2. **Requests** in look-up order (``i``), each with its replica's code (the replicas without
+   events follow the event locations, in look-up order), whether its prompt ends in a partial
+   block, its block size and its count of full blocks; written sorted by ``i``.
+3. **Events and needed blocks by block hash**: one pass each writes the rows of partition
+   ``h mod K`` to a directory of their own; clears go to one that every partition reads.
+4. **Phase 1 per partition** (analyzers/replay.py ``block_states``): the partition's events in
+   stream order and its blocks in look-up order; each block's source per group and, when it is
+   available nowhere, why. Written by ranges of requests.
+5. **Phase 2 per range of requests** (``decide_requests``): the hit rule and the chain rule, then
+   the range's ``block_outcomes`` and ``request_ledger`` rows, and its ``miss_ledger`` sums,
+   summed over the ranges at the end.
+
+**Exact.** The outcomes are ``ledger_outcomes``' row for row (tests/test_out_of_core.py), by the
+same partitions as analyzers/partitions.py (property-tested against the one-process replay). One
+thing is written otherwise, not decided otherwise: the requests here keep the time rule (a
+look-up sees the events stamped before its look-up time), so a partition compares event times
+with look-up times where the one-process replay compares stream places with cuts (``cut =
+searchsorted(ev_ts, lookup)``: event ``e`` comes before the cut exactly when ``ev_ts[e] <
+lookup``), and requests are in look-up order, which is the cuts' order. Events with the same time
+and batch number keep the order a scan of the lake view reads them in, as the one-process
+replay's stable sort does (kvlens.lake.positioned_sql).
+
+**Refused**, with the reason, before any row is written:
+
+- requests admitted at their own stores (a real engine's, analyzers/admission.py): admission
+  walks the whole event stream in Python (it could be split by replica; not built yet). The
+  simulator's requests, and those of replicas that publish no events, keep the time rule;
+- two namespaces or more: ``miss_incompatible`` needs the content maps of every store;
+- repeated request ids, or requests without an id or an arrival time.
+
+**The ledger only**: ``scenarios``, ``block_outcomes``, ``request_ledger`` and ``miss_ledger``.
+The other analyses still read whole frames (docs/scale.md) and are not computed; no incremental
+state is saved, so the next ``kvlens analyze`` of the scenario is a full one.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import duckdb
+import numpy as np
+import polars as pl
+
+from kvlens import memory
+from kvlens.analyzers.admission import SIMULATED, anchor_groups
+from kvlens.analyzers.gaps import event_gaps, mark_incomplete
+from kvlens.analyzers.ledger import miss_ledger
+from kvlens.analyzers.outcomes import _SLIDING_KINDS, POOL_LOCATION, _Codes, _frame
+from kvlens.analyzers.replay import XFER_FAILED, XFER_NONE, XFER_OK, block_states, decide_requests
+from kvlens.analyzers.request_ledger import request_ledger
+from kvlens.errors import ConfigError
+from kvlens.lake import positioned_sql
+
+__all__ = ["DUCKDB_MEMORY", "ROWS_PER_PARTITION", "ROWS_PER_RANGE", "OutOfCore", "OutOfCoreResult",
+           "ledger_out_of_core"]
+
+# Rows of one block-hash partition in memory at once (phase 1): its arrays, block_states' hash
+# table and outputs, about 150 bytes per row (modelled from their sizes), so some 300 MB.
+ROWS_PER_PARTITION = 2_000_000
+# Rows of one range of requests in memory at once (phase 2): phase 1's columns read back, the
+# outcome frame and the request ledger's rows of the range.
+ROWS_PER_RANGE = 1_000_000
+# DuckDB's memory when no --memory-limit is given (it spills past it into the build's directory).
+DUCKDB_MEMORY = "1GB"
+_STORED, _REMOVED, _CLEARED = 0, 1, 2  # analyzers/replay.py's event kinds
+
+
+@dataclass(frozen=True)
+class OutOfCore:
+    """How ``kvlens analyze --out-of-core`` cuts each scenario: ``partitions`` block-hash
+    partitions (None: one per ``rows_per_partition`` needed blocks) and ranges of requests of
+    about ``rows_per_range`` blocks each."""
+
+    partitions: int | None = None
+    rows_per_partition: int = ROWS_PER_PARTITION
+    rows_per_range: int = ROWS_PER_RANGE
+
+    def __post_init__(self) -> None:
+        if self.partitions is not None and self.partitions < 1:
+            raise ValueError(f"partitions must be at least 1, got {self.partitions}")
+        if self.rows_per_partition < 1 or self.rows_per_range < 1:
+            raise ValueError("rows per partition and per range must be positive")
+
+
+@dataclass
+class OutOfCoreResult:
+    """What a scenario's run did: filled in as it goes (its ``scenarios`` row and its line)."""
+
+    requests: int = 0
+    needed_blocks: int = 0
+    partitions: int = 0
+    ranges: int = 0
+    spill_bytes: int = 0  # the largest the spill directory grew (measured after each step)
+    steps: list[str] = field(default_factory=list)
+
+    def said(self) -> str:
+        return (f"ledger out of core in {self.partitions} block-hash partitions and {self.ranges} "
+                f"ranges of requests, spilling {self.spill_bytes / 2**20:,.0f} MiB to disk; the other "
+                "analyses are not computed out of core")
+
+
+def _literal(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+# A request's look-up time, rounded as Polars rounds (half to even) in analyzers/outcomes.py.
+_LOOKUP = "arrival_ns + CAST(round_even(coalesce(queue_ms, 0) * 1e6, 0) AS BIGINT)"
+_KEY = "struct_pack(t := ts0, s := seq0, f := _segment, r := _row)"  # a scan's place in the stream
+
+
+def _events_sql(con: duckdb.DuckDBPyConnection, lake: Path, scenario: str) -> str:
+    """The scenario's events that change residency, with analyzers/outcomes.py ``_events``' codes
+    (kind, tier, the location's name: ``pool`` for a pool-medium event) and scan positions."""
+    medium = "CAST(medium AS VARCHAR)"
+    return f"""
+        SELECT coalesce(ts_ns, 0) AS ts0, coalesce(seq, 0) AS seq0, _segment, _row,
+               CASE CAST(kind AS VARCHAR) WHEN 'stored' THEN {_STORED} WHEN 'removed' THEN {_REMOVED}
+                    ELSE {_CLEARED} END AS kind,
+               CASE WHEN {medium} = '{POOL_LOCATION}' THEN '{POOL_LOCATION}' ELSE coalesce(replica, '') END
+                   AS loc_name,
+               CASE WHEN {medium} = 'cpu' THEN 1 WHEN {medium} = 'disk' THEN 2
+                    WHEN CAST(kind AS VARCHAR) = 'cleared' AND medium IS NULL THEN -1 ELSE 0 END AS tier,
+               coalesce(group_idx, 0) AS grp, coalesce(block_hash, 0) AS h,
+               coalesce(remaining_copies, -1) AS copies_left, spec_kind, sliding_window_tokens, namespace
+        FROM ({positioned_sql(con, lake, "kv_events")})
+        WHERE scenario = {_literal(scenario)} AND CAST(kind AS VARCHAR) IN ('stored', 'removed', 'cleared')"""
+
+
+@dataclass
+class _Stream:
+    """The codes and per-location facts ``ledger_outcomes`` derives from the whole event stream:
+    location codes (the event locations in order of first appearance, then the replicas of the
+    requests without events, in look-up order), the KV cache groups (``group_idx`` values, sorted),
+    per location and group whether it publishes (a clear names none), its first spec kind and
+    sliding window, and the namespaces the events name."""
+
+    locs: _Codes
+    group_idx: list[int]
+    facts: list[tuple[str, int, bool, str | None, int | None]]
+    namespaces: set[str]
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        """(loc_grp, windows): analyzers/replay.py ``loc_groups`` and outcomes.py ``_windows``."""
+        n_locs = max(len(self.locs.names), 1)
+        codes = {g: c for c, g in enumerate(self.group_idx)}
+        loc_grp = np.zeros((n_locs, len(self.group_idx)), np.bool_)
+        windows = np.zeros((n_locs, len(self.group_idx)), np.int64)
+        for loc, g, published, kind, window in self.facts:
+            at, code = self.locs.index[loc], codes[g]
+            loc_grp[at, code] |= published
+            if kind in _SLIDING_KINDS and window is not None and window > 0:
+                windows[at, code] = window
+        return loc_grp, windows
+
+
+def _stream(con: duckdb.DuckDBPyConnection, events: str) -> _Stream:
+    rows = con.execute(f"""
+        SELECT loc_name, grp, min({_KEY}), bool_or(kind <> {_CLEARED}),
+               arg_min(spec_kind, {_KEY}) FILTER (WHERE spec_kind IS NOT NULL),
+               arg_min(sliding_window_tokens, {_KEY}) FILTER (WHERE sliding_window_tokens IS NOT NULL),
+               min(namespace), max(namespace)
+        FROM ({events}) GROUP BY loc_name, grp""").fetchall()
+    firsts: dict[str, tuple[int, int, str, int]] = {}
+    namespaces: set[str] = set()
+    facts = []
+    for loc, grp, first, published, kind, window, lo, hi in rows:
+        key = (first["t"], first["s"], first["f"], first["r"])
+        if loc not in firsts or key < firsts[loc]:
+            firsts[loc] = key
+        namespaces |= {n for n in (lo, hi) if n is not None}
+        facts.append((loc, int(grp), bool(published), kind, None if window is None else int(window)))
+    names = sorted(firsts, key=firsts.__getitem__)
+    return _Stream(_Codes(names), sorted({f[1] for f in facts} or {0}), facts, namespaces)
+
+
+def _refused(con: duckdb.DuckDBPyConnection, scenario: str, stream: _Stream) -> str | None:
+    """Why ``scenario`` cannot be analyzed here, before anything is written (None: it can)."""
+    q = _literal(scenario)
+    ((rows, distinct, unknown),) = con.execute(
+        "SELECT count(*), count(DISTINCT request_id), "
+        f"count(*) FILTER (WHERE request_id IS NULL OR arrival_ns IS NULL) FROM requests WHERE scenario = {q}"
+    ).fetchall()
+    if unknown:
+        return f"{unknown:,} of its requests have no request id or no arrival time"
+    if distinct != rows:
+        return f"{rows - distinct:,} of its request rows repeat another row's request id"
+    ((lo, hi),) = con.execute(
+        "SELECT min(namespace), max(namespace) FROM request_blocks "
+        f"WHERE scenario = {q} AND block_tokens >= block_size_tokens").fetchall()
+    spaces = stream.namespaces | {n for n in (lo, hi) if n is not None}
+    if len(spaces) > 1:
+        named = ", ".join(sorted(spaces)[:3])
+        return (f"its events and blocks name {len(spaces)} namespaces or more ({named}): telling "
+                "miss_incompatible apart needs the content of every store")
+    return None
+
+
+def _requests(con: duckdb.DuckDBPyConnection, scenario: str, path: Path) -> tuple[int, int]:
+    """The scenario's requests in look-up order (``i``, as ``ledger_outcomes`` orders them under the
+    time rule: look-up, arrival, id) with their partial tail, block size and count of full blocks
+    (outcomes.py ``_needed``), written to ``path`` sorted by ``i``; (requests, full blocks)."""
+    q = _literal(scenario)
+    con.execute(f"""COPY (
+        WITH r AS (SELECT request_id, scenario, replica, arrival_ns, queue_ms, prompt_tokens, cached_tokens,
+                          ttft_ms, CAST(source AS VARCHAR) AS source, {_LOOKUP} AS lookup_ns
+                   FROM requests WHERE scenario = {q}),
+             c AS (SELECT request_id, sum(block_tokens) AS full_tokens, max(block_size_tokens) AS block_size,
+                          count(*) AS n_full
+                   FROM request_blocks WHERE scenario = {q} AND block_tokens >= block_size_tokens
+                   GROUP BY request_id)
+        SELECT row_number() OVER (ORDER BY r.lookup_ns, r.arrival_ns, r.request_id) - 1 AS i, r.*,
+               CAST(coalesce(c.block_size, 16) AS BIGINT) AS block_size, coalesce(c.n_full, 0) AS n_full,
+               coalesce(r.prompt_tokens, coalesce(c.full_tokens, 0)) > coalesce(c.full_tokens, 0) AS tail
+        FROM r LEFT JOIN c USING (request_id) ORDER BY i
+    ) TO {_literal(str(path))} (FORMAT parquet, ROW_GROUP_SIZE 65536)""")
+    ((n_req, n_rows),) = con.execute(
+        f"SELECT count(*), coalesce(sum(n_full), 0) FROM read_parquet({_literal(str(path))})").fetchall()
+    return int(n_req), int(n_rows)
+
+
+def _add_replicas(con: duckdb.DuckDBPyConnection, path: Path, locs: _Codes) -> None:
+    """The requests' replicas that publish no events get codes after the event locations, in
+    look-up order (``ledger_outcomes``' ``locs.encode(req["replica"])``)."""
+    for (name,) in con.execute(f"SELECT coalesce(replica, '') FROM read_parquet({_literal(str(path))}) "
+                               "GROUP BY 1 ORDER BY min(i)").fetchall():
+        if name not in locs.index:
+            locs.index[name] = len(locs.names)
+            locs.names.append(name)
+
+
+def _anchored(con: duckdb.DuckDBPyConnection, path: Path, locs: _Codes, loc_grp: np.ndarray,
+              windows: np.ndarray) -> int:
+    """How many requests with full blocks admission would try to anchor at their own stores
+    (analyzers/admission.py ``admission_cuts``' candidates: not the simulator's, on a location whose
+    runs anchor)."""
+    anchors = anchor_groups(loc_grp, windows)
+    names = [locs.names[c] for c in np.flatnonzero(anchors >= 0) if c < len(locs.names)]
+    if not names:
+        return 0
+    ((n,),) = con.execute(
+        f"SELECT count(*) FROM read_parquet({_literal(str(path))}) WHERE n_full > 0 "
+        f"AND coalesce(source, '') <> '{SIMULATED}' AND list_contains(?, coalesce(replica, ''))",
+        [names]).fetchall()
+    return int(n)
+
+
+def _spill_events(con: duckdb.DuckDBPyConnection, events: str, spill: Path, partitions: int) -> None:
+    """The events, coded, into ``spill/events/part=P`` (``h mod K``; clears into ``part=K``)."""
+    con.execute(f"""COPY (
+        SELECT e.ts0, e.seq0, s.seg, e._row AS seg_row, CAST(e.kind AS TINYINT) AS kind, l.code AS loc,
+               CAST(e.tier AS TINYINT) AS tier, g.code AS grp, e.h,
+               CAST(e.copies_left AS BIGINT) AS copies_left,
+               CASE WHEN e.kind = {_CLEARED} THEN {partitions} ELSE e.h % {partitions} END AS part
+        FROM ({events}) e JOIN _ooc_locs l ON l.name = e.loc_name JOIN _ooc_groups g ON g.grp = e.grp
+        JOIN _ooc_segments s ON s.path = e._segment
+    ) TO {_literal(str(spill / "events"))} (FORMAT parquet, PARTITION_BY (part), COMPRESSION lz4)""")
+
+
+def _spill_rows(con: duckdb.DuckDBPyConnection, lake: Path, scenario: str, requests: Path, spill: Path,
+                partitions: int) -> None:
+    """Every needed full block with its request's place (``i``), look-up time and location code and
+    its load (outcomes.py ``_needed``: a transfer the serving replica received for it, ``ok`` if
+    any succeeded, with the first successful one's origin), into ``spill/rows/part=P``."""
+    q = _literal(scenario)
+    ok = "CAST(t.status AS VARCHAR) = 'ok'"
+    con.execute(f"""COPY (
+        WITH q AS (SELECT r.i, r.request_id, r.replica, r.lookup_ns, l.code AS loc
+                   FROM read_parquet({_literal(str(requests))}) r
+                   JOIN _ooc_locs l ON l.name = coalesce(r.replica, '')),
+             x AS (SELECT t.request_id, t.block_hash, coalesce(bool_or({ok}), false) AS ok,
+                          arg_min_null(CAST(t.origin AS VARCHAR), struct_pack(f := t._segment, r := t._row))
+                              FILTER (WHERE {ok}) AS origin
+                   FROM ({positioned_sql(con, lake, "transfers")}) t JOIN q ON t.request_id = q.request_id
+                   WHERE t.scenario = {q} AND t.block_hash IS NOT NULL
+                         AND (t.replica IS NULL OR t.replica = q.replica)
+                   GROUP BY t.request_id, t.block_hash)
+        SELECT q.i, b.position, b.block_hash, b.block_tokens, q.lookup_ns, q.loc,
+               CAST(CASE WHEN x.ok IS NULL THEN {XFER_NONE} WHEN x.ok THEN {XFER_OK} ELSE {XFER_FAILED} END
+                    AS TINYINT) AS xfer, x.origin, coalesce(b.block_hash, 0) % {partitions} AS part
+        FROM request_blocks b JOIN q ON b.request_id = q.request_id
+        LEFT JOIN x ON x.request_id = b.request_id AND x.block_hash = b.block_hash
+        WHERE b.scenario = {q} AND b.block_tokens >= b.block_size_tokens
+    ) TO {_literal(str(spill / "rows"))} (FORMAT parquet, PARTITION_BY (part), COMPRESSION lz4)""")
+
+
+def _owned(series: pl.Series, dtype: type) -> np.ndarray:
+    """A writable, contiguous copy of ``series`` (the compiled kernels' argument types: a read-only
+    view would be another signature, compiled again)."""
+    return np.array(series.to_numpy(), dtype=dtype, copy=True)
+
+
+def _hashes(series: pl.Series) -> np.ndarray:
+    return _owned(series.fill_null(0), np.uint64).view(np.int64)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.parquet")) if directory.is_dir() else []
+
+
+_PHASE_ONE = {"i": pl.Int64, "position": pl.Int32, "block_hash": pl.UInt64, "block_tokens": pl.Int32,
+              "xfer": pl.Int8, "origin": pl.String, "reusable": pl.Boolean, "cause": pl.Int8,
+              "holder": pl.Int32, "rem_ts": pl.Int64, "rem_loc": pl.Int32}
+
+
+def _phase_one(spill: Path, p: int, partitions: int, stream: _Stream, loc_grp: np.ndarray, span: int,
+               ranges: int) -> int:
+    """Partition ``p``'s phase 1, written by ranges of ``span`` requests
+    (``spill/phase1/range=B/part-P.parquet``); its rows."""
+    files = _files(spill / "rows" / f"part={p}")
+    if not files:
+        return 0
+    rows = pl.read_parquet(files, hive_partitioning=False).sort("i", "position", nulls_last=False)
+    ev_files = _files(spill / "events" / f"part={p}") + _files(spill / "events" / f"part={partitions}")
+    if ev_files:
+        ev = pl.read_parquet(ev_files, hive_partitioning=False).sort("ts0", "seq0", "seg", "seg_row")
+    else:
+        ev = pl.DataFrame(schema={"ts0": pl.Int64, "kind": pl.Int8, "loc": pl.Int32, "tier": pl.Int8,
+                                  "grp": pl.Int32, "h": pl.UInt64, "copies_left": pl.Int64})
+    ev_t = _owned(ev["ts0"], np.int64)
+    blk_h = _hashes(rows["block_hash"])
+    got = block_states(ev_t, ev_t, _owned(ev["kind"], np.int8), _owned(ev["loc"], np.int32),
+                       _owned(ev["tier"], np.int8), _owned(ev["grp"], np.int32), _hashes(ev["h"]),
+                       _owned(ev["copies_left"], np.int64), _owned(rows["lookup_ns"], np.int64),
+                       _owned(rows["loc"], np.int32), blk_h, _owned(rows["xfer"], np.int8),
+                       int(loc_grp.shape[0]), stream.locs.index.get(POOL_LOCATION, -1), loc_grp, -1)
+    del ev, ev_t
+    src, cause, holder, rem_ts, rem_loc = got[:5]
+    # An unbounded cache serves a block some earlier request needed: every row of a hash is in this
+    # partition, in look-up order.
+    reusable = np.ones(blk_h.shape[0], np.bool_)
+    reusable[np.unique(blk_h, return_index=True)[1]] = False
+    out = rows.select(*(pl.col(c).cast(t) for c, t in _PHASE_ONE.items() if c in rows.columns)).with_columns(
+        reusable=pl.Series(reusable), cause=pl.Series(cause), holder=pl.Series(holder),
+        rem_ts=pl.Series(rem_ts), rem_loc=pl.Series(rem_loc),
+        **{f"src{g}": pl.Series(src[:, g]) for g in range(src.shape[1])})
+    edges = np.searchsorted(out["i"].to_numpy(), np.arange(ranges + 1, dtype=np.int64) * span)
+    for b in range(ranges):
+        lo, hi = int(edges[b]), int(edges[b + 1])
+        if hi > lo:
+            where = spill / "phase1" / f"range={b}"
+            where.mkdir(parents=True, exist_ok=True)
+            out.slice(lo, hi - lo).write_parquet(where / f"part-{p}.parquet", compression="lz4")
+    return out.height
+
+
+@dataclass(frozen=True)
+class _Scope:
+    """What every range's phase 2 reads besides its own rows."""
+
+    scenario: str
+    stream: _Stream
+    loc_grp: np.ndarray
+    windows: np.ndarray
+    bytes_per_token: int
+    group_bytes_per_token: Sequence[int] | None
+    gaps: pl.DataFrame
+    clears: pl.DataFrame
+
+
+def _phase_two(con: duckdb.DuckDBPyConnection, spill: Path, b: int, span: int,
+               scope: _Scope) -> tuple[pl.DataFrame, pl.DataFrame] | None:
+    """Range ``b``'s requests decided: its ``block_outcomes`` and ``request_ledger`` rows."""
+    first = b * span
+    reqs = (pl.scan_parquet(spill / "requests.parquet")
+            .filter((pl.col("i") >= first) & (pl.col("i") < first + span)).collect())
+    if not reqs.height:
+        return None
+    if not np.array_equal(reqs["i"].to_numpy(), np.arange(first, first + reqs.height)):
+        raise RuntimeError(f"out-of-core range {b}: its requests are not numbered {first} on")
+    files = _files(spill / "phase1" / f"range={b}")
+    n_groups = len(scope.stream.group_idx)
+    rows = (pl.read_parquet(files, hive_partitioning=False).sort("i", "position", nulls_last=False) if files
+            else pl.DataFrame(schema={**_PHASE_ONE, **{f"src{g}": pl.Int8 for g in range(n_groups)}}))
+    off = np.zeros(reqs.height + 1, np.int64)
+    np.cumsum(reqs["n_full"].to_numpy(), out=off[1:])
+    if off[-1] != rows.height:
+        raise RuntimeError(f"out-of-core range {b}: {rows.height:,} block rows read back, its requests "
+                           f"have {int(off[-1]):,}")
+    locs = scope.stream.locs
+    req_loc = reqs["replica"].fill_null("").replace_strict(locs.index, return_dtype=pl.Int32)
+    src = np.ascontiguousarray(np.column_stack([rows[f"src{g}"].to_numpy() for g in range(n_groups)])
+                               .reshape(rows.height, n_groups), dtype=np.int8)
+    outputs = decide_requests(
+        _owned(req_loc, np.int32), _owned(reqs["tail"], np.bool_), _owned(reqs["block_size"], np.int64), off,
+        scope.loc_grp, scope.windows, src, _owned(rows["xfer"], np.int8), _owned(rows["cause"], np.int8),
+        _owned(rows["holder"], np.int32), _owned(rows["rem_ts"], np.int64), _owned(rows["rem_loc"], np.int32),
+        np.full(rows.height, -1, np.int32))  # no other namespace: one at most (``_refused``)
+    at = rows["i"] - first
+    full = pl.DataFrame({"request_id": reqs["request_id"].gather(at), "replica": reqs["replica"].gather(at),
+                         "arrival_ns": reqs["arrival_ns"].gather(at), "position": rows["position"],
+                         "block_hash": rows["block_hash"], "block_tokens": rows["block_tokens"],
+                         "reusable": rows["reusable"], "origin": rows["origin"]})
+    frame = _frame(scope.scenario, full, outputs, scope.stream.group_idx, scope.bytes_per_token,
+                   scope.group_bytes_per_token, locs, _Codes(sorted(scope.stream.namespaces)))
+    requests = con.from_arrow(reqs.select("scenario", "replica", "request_id", "arrival_ns", "prompt_tokens",
+                                          "cached_tokens", "ttft_ms", "queue_ms").to_arrow())
+    per_request = mark_incomplete(request_ledger(block_outcomes=frame, requests=requests), scope.gaps,
+                                  scope.clears)
+    return frame, per_request
+
+
+def _size(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file())
+
+
+def _merged(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    """``miss_ledger`` of the whole scenario from its ranges': sums of sums, by the same keys."""
+    keys = ["scenario", "replica", "outcome"]
+    return (pl.concat(parts).group_by(keys)
+            .agg(pl.col("blocks").sum(), pl.col("tokens").sum(), pl.col("bytes").sum(),
+                 pl.col("events_incomplete").any())
+            .sort(keys, nulls_last=True))
+
+
+def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], scenario: str,
+                       spill: Path, *, bytes_per_token: int,
+                       group_bytes_per_token: Sequence[int] | None = None, plan: OutOfCore = OutOfCore(),
+                       result: OutOfCoreResult | None = None,
+                       say: Callable[[str], object] = lambda _: None) -> Iterator[tuple[str, pl.DataFrame]]:
+    """``scenario``'s ``block_outcomes`` and ``request_ledger`` rows, a range of requests at a time,
+    then its ``miss_ledger``: ``ledger_outcomes``' (and analyze_scenario's) rows, computed with
+    ``spill`` (a directory this creates; the caller removes it) holding what is not in memory.
+    ``con``: a connection with the lake's views (kvlens.lake.open_lake); ``result``: filled in.
+    Raises ConfigError, before anything is written, for a scenario this cannot analyze."""
+    result = result if result is not None else OutOfCoreResult()
+    lake = Path(lake)
+    events = _events_sql(con, lake, scenario)
+    stream = _stream(con, events)
+    refused = _refused(con, scenario, stream)
+    spill.mkdir(parents=True, exist_ok=True)
+    requests = spill / "requests.parquet"
+    if refused is None:
+        result.requests, result.needed_blocks = _requests(con, scenario, requests)
+        _add_replicas(con, requests, stream.locs)
+        loc_grp, windows = stream.arrays()
+        anchored = _anchored(con, requests, stream.locs, loc_grp, windows)
+        if anchored:
+            refused = (f"{anchored:,} of its requests would be admitted at their own KV events (a real "
+                       "engine's, analyzers/admission.py), which needs the whole event stream in memory")
+    if refused is not None:
+        raise ConfigError(f"scenario {scenario} cannot be analyzed out of core: {refused}; analyze it "
+                          "without --out-of-core")
+    n_req, n_rows = result.requests, result.needed_blocks
+    k = plan.partitions or max(1, math.ceil(n_rows / plan.rows_per_partition))
+    span = max(1, math.ceil(n_req / max(1, math.ceil(n_rows / plan.rows_per_range))))
+    ranges = max(1, math.ceil(n_req / span))
+    result.partitions, result.ranges = k, ranges
+    segments = [r[0] for r in con.execute(
+        f"SELECT DISTINCT _segment FROM ({positioned_sql(con, lake, 'kv_events')}) "
+        f"WHERE scenario = {_literal(scenario)} ORDER BY 1").fetchall()]
+    registered = {
+        "_ooc_locs": pl.DataFrame({"name": stream.locs.names, "code": range(len(stream.locs.names))},
+                                  schema={"name": pl.String, "code": pl.Int32}),
+        "_ooc_groups": pl.DataFrame({"grp": stream.group_idx, "code": range(len(stream.group_idx))},
+                                    schema={"grp": pl.Int32, "code": pl.Int32}),
+        "_ooc_segments": pl.DataFrame({"path": segments, "seg": range(len(segments))},
+                                      schema={"path": pl.String, "seg": pl.Int32})}
+    for name, frame in registered.items():
+        con.register(name, frame)
+    try:
+        # (the spills' row order is not kept: each is sorted where it is read)
+        con.execute("SET preserve_insertion_order = false")
+        say("out of core: events by block hash")
+        _spill_events(con, events, spill, k)
+        say("out of core: needed blocks by block hash")
+        _spill_rows(con, lake, scenario, requests, spill, k)
+    finally:
+        con.execute("SET preserve_insertion_order = true")
+        for name in registered:
+            con.unregister(name)
+    result.spill_bytes = _size(spill)
+    memory.check()
+    for p in range(k):
+        _phase_one(spill, p, k, stream, loc_grp, span, ranges)
+        shutil.rmtree(spill / "rows" / f"part={p}", ignore_errors=True)
+        memory.check()
+        say(f"ledger partition {p + 1}/{k}")
+    result.spill_bytes = max(result.spill_bytes, _size(spill))
+    shutil.rmtree(spill / "events", ignore_errors=True)
+    gaps, clears = event_gaps(
+        metric_samples=con.table("metric_samples").filter(f"scenario = {_literal(scenario)}"),
+        kv_events=con.table("kv_events").filter(f"scenario = {_literal(scenario)}"))
+    scope = _Scope(scenario, stream, loc_grp, windows, bytes_per_token, group_bytes_per_token, gaps, clears)
+    misses = []
+    for b in range(ranges):
+        got = _phase_two(con, spill, b, span, scope)
+        shutil.rmtree(spill / "phase1" / f"range={b}", ignore_errors=True)
+        if got is None:
+            continue
+        frame, per_request = got
+        misses.append(miss_ledger(block_outcomes=frame, incomplete=per_request))
+        memory.check()
+        yield "block_outcomes", frame
+        yield "request_ledger", per_request
+        del frame, per_request, got
+        say(f"ledger range {b + 1}/{ranges}")
+    if misses:
+        yield "miss_ledger", _merged(misses)
