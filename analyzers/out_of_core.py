@@ -49,9 +49,11 @@ state is saved, so the next ``kvlens analyze`` of the scenario is a full one.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,6 +85,8 @@ ROWS_PER_RANGE = 1_000_000
 DUCKDB_MEMORY = "1GB"
 _STORED, _REMOVED, _CLEARED = 0, 1, 2  # analyzers/replay.py's event kinds
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class OutOfCore:
@@ -110,7 +114,13 @@ class OutOfCoreResult:
     partitions: int = 0
     ranges: int = 0
     spill_bytes: int = 0  # the largest the spill directory grew (measured after each step)
-    steps: list[str] = field(default_factory=list)
+    seconds: dict[str, float] = field(default_factory=dict)  # per step (phase 2 with its DB writes)
+
+    def timed(self, step: str, since: float) -> float:
+        """Adds the time from ``since`` to ``step``'s; the time now."""
+        now = time.perf_counter()
+        self.seconds[step] = self.seconds.get(step, 0.0) + now - since
+        return now
 
     def said(self) -> str:
         return (f"ledger out of core in {self.partitions} block-hash partitions and {self.ranges} "
@@ -443,13 +453,16 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
     Raises ConfigError, before anything is written, for a scenario this cannot analyze."""
     result = result if result is not None else OutOfCoreResult()
     lake = Path(lake)
+    t = time.perf_counter()
     events = _events_sql(con, lake, scenario)
     stream = _stream(con, events)
     refused = _refused(con, scenario, stream)
     spill.mkdir(parents=True, exist_ok=True)
     requests = spill / "requests.parquet"
+    t = result.timed("codes and checks", t)
     if refused is None:
         result.requests, result.needed_blocks = _requests(con, scenario, requests)
+        t = result.timed("requests", t)
         _add_replicas(con, requests, stream.locs)
         loc_grp, windows = stream.arrays()
         anchored = _anchored(con, requests, stream.locs, loc_grp, windows)
@@ -480,15 +493,19 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
         # (the spills' row order is not kept: each is sorted where it is read)
         con.execute("SET preserve_insertion_order = false")
         say("out of core: events by block hash")
+        t = result.timed("codes and checks", t)
         _spill_events(con, events, spill, k)
+        t = result.timed("events by block hash", t)
         say("out of core: needed blocks by block hash")
         _spill_rows(con, lake, scenario, requests, spill, k)
+        t = result.timed("needed blocks by block hash", t)
     finally:
         con.execute("SET preserve_insertion_order = true")
         for name in registered:
             con.unregister(name)
     result.spill_bytes = _size(spill)
     memory.check()
+    t = time.perf_counter()
     for p in range(k):
         _phase_one(spill, p, k, stream, loc_grp, span, ranges)
         shutil.rmtree(spill / "rows" / f"part={p}", ignore_errors=True)
@@ -500,6 +517,7 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
         metric_samples=con.table("metric_samples").filter(f"scenario = {_literal(scenario)}"),
         kv_events=con.table("kv_events").filter(f"scenario = {_literal(scenario)}"))
     scope = _Scope(scenario, stream, loc_grp, windows, bytes_per_token, group_bytes_per_token, gaps, clears)
+    t = result.timed("phase 1", t)
     misses = []
     for b in range(ranges):
         got = _phase_two(con, spill, b, span, scope)
@@ -509,9 +527,13 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
         frame, per_request = got
         misses.append(miss_ledger(block_outcomes=frame, incomplete=per_request))
         memory.check()
+        t = result.timed("phase 2", t)
         yield "block_outcomes", frame
         yield "request_ledger", per_request
         del frame, per_request, got
+        t = result.timed("writing the rows", t)
         say(f"ledger range {b + 1}/{ranges}")
     if misses:
         yield "miss_ledger", _merged(misses)
+    log.info("scenario %s out of core, seconds per step: %s", scenario,
+             ", ".join(f"{step} {s:.1f}" for step, s in result.seconds.items()))
