@@ -24,6 +24,7 @@ import pyarrow as pa
 from numba import njit, types
 from numba.typed import Dict
 
+from kvlens.analyzers.hashmap import mix64
 from kvlens.lake import SegmentWriter
 
 __all__ = ["ScaleFleet", "write_scale_lake"]
@@ -43,14 +44,6 @@ class ScaleFleet:
     model: str = "llama-3.1-8b"
 
 
-@njit(cache=True, inline="always")
-def _mix(x: np.uint64) -> np.uint64:
-    """splitmix64's finalizer: a well-spread 64-bit hash of ``x``."""
-    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return x ^ (x >> np.uint64(31))
-
-
 @njit(cache=True)
 def _chunk(first, n_req, replicas, capacity, cdf, seed, resident, ring, ring_hash, head, filled,
            req_replica, req_blocks, blk_req, blk_pos, blk_hash,
@@ -62,22 +55,22 @@ def _chunk(first, n_req, replicas, capacity, cdf, seed, resident, ring, ring_has
     golden = np.uint64(0x9E3779B97F4A7C15)
     for k in range(n_req):
         i = np.uint64(first + k)
-        x = _mix(np.uint64(seed) * golden + i)
+        x = mix64(np.uint64(seed) * golden + i)
         p = np.int64(np.searchsorted(cdf, (x >> np.uint64(11)) * (1.0 / 9007199254740992.0)))
-        plen = np.int64(8) + np.int64(_mix(np.uint64(p) * golden + np.uint64(7)) % np.uint64(57))
-        y = _mix(x)
+        plen = np.int64(8) + np.int64(mix64(np.uint64(p) * golden + np.uint64(7)) % np.uint64(57))
+        y = mix64(x)
         ulen = np.int64(1) + np.int64(y % np.uint64(16))
-        z = _mix(y)
+        z = mix64(y)
         home = z % np.uint64(100) < np.uint64(85)
-        r = p % np.int64(replicas) if home else np.int64(_mix(z) % np.uint64(replicas))
+        r = p % np.int64(replicas) if home else np.int64(mix64(z) % np.uint64(replicas))
         req_replica[k] = r
         req_blocks[k] = plen + ulen
         parent = np.uint64(0)
         for j in range(plen + ulen):
             if j < plen:
-                h = _mix(np.uint64(p) * np.uint64(1_000_003) + np.uint64(j + 1))
+                h = mix64(np.uint64(p) * np.uint64(1_000_003) + np.uint64(j + 1))
             else:
-                h = _mix((np.uint64(1) << np.uint64(62)) | (i * np.uint64(128) + np.uint64(j)))
+                h = mix64((np.uint64(1) << np.uint64(62)) | (i * np.uint64(128) + np.uint64(j)))
             blk_req[nb] = k
             blk_pos[nb] = j
             blk_hash[nb] = h
