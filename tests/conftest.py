@@ -80,3 +80,11 @@ def demo_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     workdir = tmp_path_factory.mktemp("demo")
     run_demo(workdir)
     return workdir
+
+
+@pytest.fixture(scope="module")
+def ooc_lakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The lakes the out-of-core tests run on (tests/ooc_harness.py), built once per module."""
+    from ooc_harness import ooc_lakes as build
+
+    return build(tmp_path_factory.mktemp("out-of-core"))

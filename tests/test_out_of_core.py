@@ -8,67 +8,18 @@ from pathlib import Path
 
 import duckdb
 import pytest
-from capture_lines import capture_lake
 from click.testing import CliRunner
-from incremental_lake import source_lake
 from scale_lake import ScaleFleet, write_scale_lake
-from test_ledger import _write_clear, _write_hand
 from test_leftovers import _dead_pid, _tmp_of
 
 from kvlens.analyzers.analyze import analyze_lake
 from kvlens.analyzers.out_of_core import OutOfCore
 from kvlens.cli import cli
 from kvlens.errors import ConfigError
-from kvlens.lake import open_lake, write_scenario
 
-DATA = Path(__file__).parent / "data"
 # The tables out of core writes; scenarios' analyzed_ns is the wall clock of each analysis.
 LEDGER = {"block_outcomes": "*", "request_ledger": "*", "miss_ledger": "*",
           "scenarios": "* EXCLUDE (analyzed_ns)"}
-
-
-def _as_simulated(lake: Path, scenario: str) -> Path:
-    """``scenario``'s rows written again with every request's source the simulator's: admission
-    then keeps the time rule for them, in the one-process ledger as out of core (a real capture's
-    events, ties and KV cache groups, under the rule out of core computes)."""
-    con = duckdb.connect()
-    try:
-        open_lake(con, lake)
-        tables = {}
-        for name in ("requests", "request_blocks", "kv_events", "transfers", "metric_samples"):
-            rows = con.sql(f"SELECT * EXCLUDE (scenario) FROM {name} WHERE scenario = ?", params=[scenario])
-            if name == "requests":
-                rows = con.sql(f"SELECT * EXCLUDE (scenario, source), 'sim' AS source FROM {name} "
-                               "WHERE scenario = ?", params=[scenario])
-            table = rows.arrow().read_all()
-            if table.num_rows:
-                tables[name] = table
-    finally:
-        con.close()
-    write_scenario(lake, scenario, tables, writer_id="as-simulated")
-    return lake
-
-
-@pytest.fixture(scope="module")
-def lakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    tmp = tmp_path_factory.mktemp("out-of-core")
-    hand = tmp / "hand"
-    _write_hand(hand)
-    _write_clear(hand)
-    for name in ("capture", "hybrid", "anchored"):
-        (tmp / name).mkdir()
-    return {
-        # the trace alone (no events: every block unobserved) and a 2-replica fleet with a pool
-        "simulated": source_lake(tmp / "sim", requests=200),
-        "capture": _as_simulated(capture_lake(DATA / "vllm-cpu-capture", tmp / "capture", "tiny"), "capture"),
-        # two KV cache groups, one a sliding window: per-group sources, miss_group, bytes per group
-        "hybrid": _as_simulated(capture_lake(DATA / "vllm-cpu-hybrid-capture", tmp / "hybrid", "tiny-gemma2"),
-                                "capture"),
-        # clears (a replica's whole cache, one tier), as the simulator's requests: the other hand-built
-        # scenario (one of every outcome) names two namespaces
-        "hand": _as_simulated(hand, "clear"),
-        "anchored": capture_lake(DATA / "vllm-cpu-capture", tmp / "anchored", "tiny"),
-    }
 
 
 def _ledger_rows(db: Path, tables: dict[str, str]) -> dict[str, list[tuple]]:
@@ -92,12 +43,12 @@ def _same_ledger(got: Path, want: Path, tables: dict[str, str] = LEDGER) -> dict
 @pytest.mark.parametrize(("name", "scenarios", "per_range"), [
     ("simulated", (), 97), ("capture", (), 97), ("hybrid", (), 97), ("hand", ("clear",), 2)])
 @pytest.mark.parametrize("partitions", [1, 3, 16])
-def test_out_of_core_equals_the_one_process_ledger(lakes: dict[str, Path], tmp_path: Path, name: str,
+def test_out_of_core_equals_the_one_process_ledger(ooc_lakes: dict[str, Path], tmp_path: Path, name: str,
                                                    scenarios: tuple[str, ...], per_range: int,
                                                    partitions: int) -> None:
     """Every partition count, with ranges of a few requests: the same rows as a full analysis, and
     block_outcomes in the same order (look-up order)."""
-    lake = lakes[name]
+    lake = ooc_lakes[name]
     analyze_lake(lake, tmp_path / "memory.duckdb", scenarios, full=True)
     result = analyze_lake(lake, tmp_path / "ooc.duckdb", scenarios,
                           out_of_core=OutOfCore(partitions=partitions, rows_per_range=per_range))
@@ -145,25 +96,25 @@ def test_out_of_core_on_a_generated_fleet(tmp_path: Path) -> None:
     ("anchored", "capture", "admitted at their own KV events"),
     ("hand", "hand", "namespaces"),
 ])
-def test_out_of_core_refuses_what_it_cannot_compute(lakes: dict[str, Path], tmp_path: Path, name: str,
+def test_out_of_core_refuses_what_it_cannot_compute(ooc_lakes: dict[str, Path], tmp_path: Path, name: str,
                                                     scenario: str, said: str) -> None:
     """A real engine's requests (admission reads the whole stream) and two namespaces (content maps):
     one error naming the scenario and the way out, and nothing left beside the DB."""
     with pytest.raises(ConfigError, match=f"scenario {scenario} cannot be analyzed out of core: .*{said}"
                                           ".*without --out-of-core"):
-        analyze_lake(lakes[name], tmp_path / "ooc.duckdb", [scenario], out_of_core=OutOfCore())
+        analyze_lake(ooc_lakes[name], tmp_path / "ooc.duckdb", [scenario], out_of_core=OutOfCore())
     assert list(tmp_path.iterdir()) == []
 
 
-def test_out_of_core_from_the_cli(lakes: dict[str, Path], tmp_path: Path) -> None:
+def test_out_of_core_from_the_cli(ooc_lakes: dict[str, Path], tmp_path: Path) -> None:
     db = tmp_path / "ooc.duckdb"
-    run = CliRunner().invoke(cli, ["analyze", "--lake", str(lakes["simulated"]), "--db", str(db),
+    run = CliRunner().invoke(cli, ["analyze", "--lake", str(ooc_lakes["simulated"]), "--db", str(db),
                                    "--out-of-core", "--partitions", "2", "--memory-limit", "2GiB"])
     assert run.exit_code == 0, run.output
     assert "rr2: full (--out-of-core given; ledger out of core in 2 block-hash partitions" in run.output
     assert "peak resident memory:" in run.output
     # The next analysis saves nothing it could continue from: it analyzes in full, every table.
-    again = CliRunner().invoke(cli, ["analyze", "--lake", str(lakes["simulated"]), "--db", str(db)])
+    again = CliRunner().invoke(cli, ["analyze", "--lake", str(ooc_lakes["simulated"]), "--db", str(db)])
     assert again.exit_code == 0, again.output
     assert "rr2: full" in again.output
     with duckdb.connect(str(db), read_only=True) as con:
@@ -171,23 +122,23 @@ def test_out_of_core_from_the_cli(lakes: dict[str, Path], tmp_path: Path) -> Non
     assert flows > 0
 
 
-def test_a_killed_runs_spill_is_removed_by_the_next(lakes: dict[str, Path], tmp_path: Path) -> None:
+def test_a_killed_runs_spill_is_removed_by_the_next(ooc_lakes: dict[str, Path], tmp_path: Path) -> None:
     """A run killed mid-way leaves its spill directory (named as its temporary DB is, with its
     process id): the next build of the same DB removes it (kvlens.analysis_db.remove_dead_leftovers)."""
     db = tmp_path / "ooc.duckdb"
     dead = tmp_path / (_tmp_of(_dead_pid(), db.name) + ".ooc")
     (dead / "rows" / "part=0").mkdir(parents=True)
     (dead / "rows" / "part=0" / "data_0.parquet").write_bytes(b"half a spill")
-    analyze_lake(lakes["simulated"], db, out_of_core=OutOfCore())
+    analyze_lake(ooc_lakes["simulated"], db, out_of_core=OutOfCore())
     assert not dead.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [db.name]
 
 
 @pytest.mark.parametrize("flags", [["--ray"], ["--join", "conv"], ["--cache-tokens", "1000"],
                                    ["--metrics-from", "conv"]])
-def test_out_of_core_refuses_flags_it_does_not_use(lakes: dict[str, Path], tmp_path: Path,
+def test_out_of_core_refuses_flags_it_does_not_use(ooc_lakes: dict[str, Path], tmp_path: Path,
                                                    flags: list[str]) -> None:
-    run = CliRunner().invoke(cli, ["analyze", "--lake", str(lakes["simulated"]), "--db",
+    run = CliRunner().invoke(cli, ["analyze", "--lake", str(ooc_lakes["simulated"]), "--db",
                                    str(tmp_path / "x.duckdb"), "--out-of-core", *flags])
     assert run.exit_code != 0
     assert f"{flags[0]} cannot go with --out-of-core" in run.output
