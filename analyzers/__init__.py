@@ -40,7 +40,8 @@ from kvlens.analyzers.warmup import warmup
 from kvlens.models import ModelGeometry, group_bytes_per_token
 
 __all__ = [
-    "LedgerPlan", "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity",
+    "LedgerPlan", "analyze_after_ledger", "analyze_scenario", "block_outcomes", "cost_model", "crossover",
+    "effective_capacity",
     "fanout", "flows", "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger", "mrc",
     "prefix_ranking", "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation",
     "ttl_coverage", "warmup",
@@ -97,6 +98,46 @@ def scenario_row(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeom
         "analyzed_ns": [time.time_ns()], "model_source": [model_source], "provenance": [origin.provenance],
         "sources": [origin.sources], "ttft_label": [origin.ttft_label], "assumptions": [origin.assumptions]},
         schema_overrides={"ttft_label": pl.String, "assumptions": pl.String})
+
+
+# The request ledger's columns the analyses after the ledger read (latency tails, reconciliation).
+_PER_REQUEST = ("scenario", "replica", "arrival_ns", "prompt_tokens", "hit_tokens", "recomputed_last_tokens",
+                "miss_tokens", "cached_tokens", "dominant_miss", "ttft_ms", "queue_ms")
+
+
+def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry
+                         ) -> Iterator[tuple[str, pl.DataFrame]]:
+    """The analyses after the ledger, out of core (``kvlens analyze --out-of-core``, issue 17): as
+    ``analyze_scenario`` computes them, from the scenario's ``block_outcomes`` and
+    ``request_ledger`` rows already in the analysis DB on ``con`` rather than from frames.
+
+    Each reads the outcomes through DuckDB, which groups them spilling past its memory limit, and
+    gets back only its small aggregates; the request ledger is read as the few columns the latency
+    tails and the reconciliation need (about 80 bytes per request: memory O(requests), not
+    O(block accesses)). The rows are those ``analyze_scenario`` writes (tests/test_ooc_analyses.py).
+    """
+    per_token = model.kv_bytes_per_token()
+    requests = scenario_rows(con, "requests", scenario)
+    blocks = scenario_rows(con, "request_blocks", scenario)
+    events = scenario_rows(con, "kv_events", scenario)
+    samples = scenario_rows(con, "metric_samples", scenario)
+    outcomes = scenario_rows(con, "block_outcomes", scenario)
+    scans = Scans({"kv_events": (events, "ts_ns"), "request_blocks": (blocks, "arrival_ns")}, None, None)
+    yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
+                                     bytes_per_token=per_token,
+                                     group_bytes_per_token=group_bytes_per_token(model), scans=scans)
+    yield "fanout", fanout(block_outcomes=outcomes)
+    per_request = scenario_rows(con, "request_ledger", scenario).select(*_PER_REQUEST).pl()
+    yield "latency_tails", latency_tails(request_ledger=per_request)
+    costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
+    yield "crossover", crossover(costs=costs, scenario=scenario)
+    ((scraped,),) = samples.aggregate("count(*)").fetchall()
+    if scraped:
+        yield "reconciliation", reconcile(metric_samples=samples, request_ledger=per_request,
+                                          scenario=scenario)
+    del per_request
+    yield "tier_reconciliation", tier_reconciliation(
+        block_outcomes=outcomes, requests=requests, metric_samples=samples, scenario=scenario)
 
 
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,

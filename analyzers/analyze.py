@@ -203,7 +203,7 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     DB, with DuckDB's memory bounded (``DUCKDB_MEMORY`` when no limit is given) and the spills in a
     directory beside ``db`` named as its temporary file is (a killed run's is removed by the next
     build, ``remove_dead_leftovers``)."""
-    from kvlens.analyzers import scenario_row
+    from kvlens.analyzers import analyze_after_ledger, scenario_row
     from kvlens.analyzers.out_of_core import DUCKDB_MEMORY, OutOfCoreResult, ledger_out_of_core
 
     final = Path(db).resolve()
@@ -226,6 +226,7 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                         con, lake, scenario, spill, bytes_per_token=geometry.kv_bytes_per_token(),
                         group_bytes_per_token=group_bytes_per_token(geometry), plan=plan, result=result,
                         say=_saying(each, scenario))
+                    yield from analyze_after_ledger(con, scenario, geometry)
                 finally:
                     shutil.rmtree(spill, ignore_errors=True)
                 yield "scenarios", scenario_row(

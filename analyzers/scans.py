@@ -34,9 +34,18 @@ import polars as pl
 
 from kvlens.analyzers.state_blob import pack, still_counted, unpack
 
-__all__ = ["SCANS_TABLE", "ScanState", "Scans"]
+__all__ = ["SCANS_TABLE", "ScanState", "Scans", "grouped"]
 
 log = logging.getLogger(__name__)
+
+
+def grouped(rel: duckdb.DuckDBPyRelation, sql: str, name: str = "outcomes") -> pl.DataFrame:
+    """``sql``'s rows over ``rel`` (named ``name`` in it), as a frame: an aggregate DuckDB computes,
+    spilling past its memory limit, where the analysis' frame would not fit (out of core)."""
+    result = rel.query(name, sql)
+    if result is None:
+        raise ValueError(f"no rows from a statement that returns none: {sql[:60]}")
+    return result.pl()
 
 SCANS_TABLE = "kvlens_scans"  # a scenario's ScanState, in the analysis DB beside its rows
 Merge = Literal["sum", "min", "max"]

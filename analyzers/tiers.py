@@ -28,7 +28,7 @@ import duckdb
 import polars as pl
 
 from kvlens.analyzers.reconcile import series_increase
-from kvlens.analyzers.scans import Scans
+from kvlens.analyzers.scans import Scans, grouped
 from kvlens.schema import HIT_OUTCOMES, Medium
 
 __all__ = ["tier_payoff", "tier_reconciliation"]
@@ -66,7 +66,31 @@ def _engine_counters(metric_samples: duckdb.DuckDBPyRelation) -> pl.DataFrame:
             .agg(pl.col("increase").sum().round().cast(pl.Int64).alias("engine_counter_tokens")))
 
 
-def _ledger_sources(block_outcomes: pl.DataFrame) -> pl.DataFrame:
+def _hits_sql(select: str) -> str:
+    """SQL over the relation ``outcomes`` (one scenario's block outcomes, out of core): ``select``
+    over its hits, grouped by the columns it names first (GROUP BY ALL)."""
+    hits = ", ".join(f"'{o}'" for o in sorted(HIT_OUTCOMES))
+    return f"SELECT {select} FROM outcomes WHERE CAST(outcome AS VARCHAR) IN ({hits}) GROUP BY ALL"
+
+
+# A hit's source and location as the frame's expressions give them (an origin not in the map,
+# NULL included, is remote; a NULL origin's location is NULL and its tier gpu).
+_SOURCE_SQL = ("CASE " + " ".join(f"WHEN origin = '{k}' THEN '{v}'" for k, v in _ORIGIN_SOURCE.items())
+               + " ELSE 'remote' END")
+_LOCAL_SQL = f"origin IN ('{Medium.GPU.value}', '{Medium.CPU.value}', '{Medium.DISK.value}')"
+_SERVED_SQL = _hits_sql(
+    f"CASE WHEN {_LOCAL_SQL} THEN coalesce(replica, '') WHEN origin = '{Medium.POOL.value}' THEN 'pool' "
+    f"ELSE origin END AS location, CASE WHEN {_LOCAL_SQL} OR origin = '{Medium.POOL.value}' THEN origin "
+    f"ELSE '{Medium.GPU.value}' END AS tier, count(*) AS hit_blocks, "
+    "coalesce(sum(tokens), 0) AS hit_tokens, coalesce(sum(bytes), 0) AS hit_bytes")
+
+
+def _ledger_sources(block_outcomes: pl.DataFrame | duckdb.DuckDBPyRelation) -> pl.DataFrame:
+    if isinstance(block_outcomes, duckdb.DuckDBPyRelation):
+        sql = _hits_sql(f"coalesce(replica, '') AS replica, {_SOURCE_SQL} AS source, "
+                        "coalesce(sum(tokens), 0) AS ledger_hit_tokens")
+        sums = grouped(block_outcomes, sql)
+        return sums.with_columns(pl.col("ledger_hit_tokens").cast(pl.Int64))
     hits = block_outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(list(HIT_OUTCOMES)))
     source = pl.col("origin").replace_strict(_ORIGIN_SOURCE, default="remote")
     return (hits.with_columns(pl.col("replica").fill_null(""), source=source)
@@ -84,8 +108,9 @@ def _reported(requests: duckdb.DuckDBPyRelation) -> pl.DataFrame:
     return pl.concat(frames).filter(pl.col("reported_tokens").is_not_null())
 
 
-def tier_reconciliation(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDBPyRelation,
-                        metric_samples: duckdb.DuckDBPyRelation, scenario: str) -> pl.DataFrame:
+def tier_reconciliation(*, block_outcomes: pl.DataFrame | duckdb.DuckDBPyRelation,
+                        requests: duckdb.DuckDBPyRelation, metric_samples: duckdb.DuckDBPyRelation,
+                        scenario: str) -> pl.DataFrame:
     """Hit tokens per replica and source: the ledger's, the engine's per request, its counters'.
 
     ``requests`` are the scenario's; ``metric_samples`` those of the scenario holding its scrapes.
@@ -94,6 +119,7 @@ def tier_reconciliation(*, block_outcomes: pl.DataFrame, requests: duckdb.DuckDB
     reported_tokens (requests' per-tier split, when reported), engine_counter_tokens (the
     per-source counter's increase, when scraped), difference_tokens (the counter, else the
     reported split, minus the ledger). One row per replica and source any side knows; sorted.
+    ``block_outcomes``: a frame, or out of core a relation of the scenario's rows (DuckDB sums them).
     """
     keys = ["replica", "source"]
     out = (_ledger_sources(block_outcomes)
@@ -150,8 +176,11 @@ def _demoted_none() -> pl.DataFrame:
     return pl.DataFrame(schema={"location": pl.Utf8, "demoted_blocks": pl.Int64, "tier": pl.Utf8})
 
 
-def _served(block_outcomes: pl.DataFrame) -> pl.DataFrame:
+def _served(block_outcomes: pl.DataFrame | duckdb.DuckDBPyRelation) -> pl.DataFrame:
     """Hits by the location and tier that served them."""
+    if isinstance(block_outcomes, duckdb.DuckDBPyRelation):
+        return grouped(block_outcomes, _SERVED_SQL).with_columns(
+            pl.col(c).cast(pl.Int64) for c in ("hit_blocks", "hit_tokens", "hit_bytes"))
     hits = block_outcomes.filter(pl.col("outcome").cast(pl.Utf8).is_in(list(HIT_OUTCOMES)))
     local = pl.col("origin").is_in([Medium.GPU.value, Medium.CPU.value, Medium.DISK.value])
     pool = pl.col("origin") == Medium.POOL.value
@@ -165,8 +194,8 @@ def _served(block_outcomes: pl.DataFrame) -> pl.DataFrame:
              pl.col("bytes").sum().cast(pl.Int64).alias("hit_bytes")))
 
 
-def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelation, scenario: str,
-                bytes_per_token: int, block_size_tokens: int = 16,
+def tier_payoff(*, block_outcomes: pl.DataFrame | duckdb.DuckDBPyRelation, kv_events: duckdb.DuckDBPyRelation,
+                scenario: str, bytes_per_token: int, block_size_tokens: int = 16,
                 group_bytes_per_token: Sequence[int] | None = None,
                 scans: Scans | None = None) -> pl.DataFrame:
     """What each tier of each location stored, lost, demoted and served.
@@ -178,7 +207,8 @@ def tier_payoff(*, block_outcomes: pl.DataFrame, kv_events: duckdb.DuckDBPyRelat
     least the stored bytes; NULL when nothing was stored). ``bytes_per_token`` prices a stored
     block (``group_bytes_per_token``: each KV cache group its own rate, as for block outcomes);
     ``block_size_tokens`` stands in for an event without a block size. ``scans``: continues the
-    store counts from the previous run's (analyzers/scans.py). Sorted.
+    store counts from the previous run's (analyzers/scans.py). Sorted. ``block_outcomes``: a
+    frame, or out of core a relation of the scenario's rows (DuckDB sums them).
     """
     cond = duckdb.ColumnExpression("kind") != duckdb.ConstantExpression("cleared")
     events = kv_events.filter(cond).project(EVENT_COLUMNS)

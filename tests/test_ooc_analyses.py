@@ -1,0 +1,58 @@
+"""The analyses after the ledger out of core (``analyzers.analyze_after_ledger``, issue 17): each
+table ``kvlens analyze --out-of-core`` writes holds the rows of the one-process analysis, on the
+lakes out of core accepts and on a generated fleet cut into several partitions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+import pytest
+from ooc_harness import memory_db, same_rows
+from scale_lake import ScaleFleet, write_scale_lake
+
+from kvlens.analyzers.analyze import analyze_lake
+from kvlens.analyzers.out_of_core import OutOfCore
+
+# The tables computed out of core beside the ledger's, and whether each must have rows on every lake.
+TABLES = {"fanout": True, "tier_payoff": True, "tier_reconciliation": False, "latency_tails": True,
+          "crossover": False, "reconciliation": False}
+
+
+def _same_tables(ooc: Path, memory: Path) -> dict[str, int]:
+    """Per table, the rows of ``ooc`` (scenario by scenario) that equal ``memory``'s."""
+    counts: dict[str, int] = {}
+    with duckdb.connect(str(ooc), read_only=True) as con:
+        scenarios = [r[0] for r in con.execute("SELECT scenario FROM scenarios ORDER BY 1").fetchall()]
+        for table in TABLES:
+            for scenario in scenarios:
+                got = con.sql(f"SELECT * FROM {table} WHERE scenario = $1", params=[scenario]).pl()
+                counts[table] = counts.get(table, 0) + same_rows(got, memory, table, scenario)
+    return counts
+
+
+@pytest.mark.parametrize(("name", "scenarios"), [
+    ("simulated", ()), ("capture", ()), ("hybrid", ()), ("hand", ("clear",))])
+def test_the_analyses_after_the_ledger_equal_the_one_process_ones(
+        ooc_lakes: dict[str, Path], tmp_path: Path, name: str, scenarios: tuple[str, ...]) -> None:
+    lake = ooc_lakes[name]
+    memory = memory_db(lake, tmp_path / "memory.duckdb", scenarios)
+    analyze_lake(lake, tmp_path / "ooc.duckdb", scenarios,
+                 out_of_core=OutOfCore(partitions=3, rows_per_range=97))
+    counts = _same_tables(tmp_path / "ooc.duckdb", memory)
+    print(name, counts)
+    for table, required in TABLES.items():
+        assert counts[table] > 0 or not required, f"{table}: no rows on {name}"
+
+
+def test_the_analyses_after_the_ledger_on_a_generated_fleet(tmp_path: Path) -> None:
+    """Several windows, replicas and partitions: the fan-out's and tails' windows, the tiers' sums."""
+    lake = tmp_path / "lake"
+    # a request every 100 ms: 40,000 requests span 4,000 s, five windows of 15 minutes
+    write_scale_lake(lake, 40_000, fleet=ScaleFleet(replicas=4, capacity=700, prefixes=400,
+                                                    interval_ns=100_000_000), chunk_requests=150)
+    memory = memory_db(lake, tmp_path / "memory.duckdb")
+    analyze_lake(lake, tmp_path / "ooc.duckdb", out_of_core=OutOfCore(partitions=5, rows_per_range=5_000))
+    counts = _same_tables(tmp_path / "ooc.duckdb", memory)
+    print(counts)
+    assert counts["fanout"] == 5 and counts["latency_tails"] > 50 and counts["tier_payoff"] >= 4
