@@ -25,6 +25,12 @@ from kvlens.lake import open_lake, write_scenario
 from kvlens.schema import TABLES
 
 DATA = Path(__file__).parent / "data"
+# The analyses after the ledger out of core writes (analyzers.analyze_after_ledger), and those it
+# does not compute yet (their tables stay empty).
+AFTER_LEDGER = ("fanout", "tier_payoff", "tier_reconciliation", "latency_tails", "crossover",
+                "reconciliation")
+NOT_OUT_OF_CORE = ("flows", "reuse", "mrc", "ttl_coverage", "prefix_ranking", "hygiene", "warmup",
+                   "isolation_findings")
 
 
 def as_simulated(lake: Path, scenario: str) -> Path:
@@ -122,3 +128,16 @@ def memory_db(lake: Path, db: Path, scenarios: Sequence[str] = ()) -> Path:
     """``db``: the one-process ``kvlens analyze --full`` of ``lake``."""
     analyze_lake(lake, db, scenarios, full=True)
     return db
+
+
+def same_tables(ooc: Path, memory: Path, tables: Sequence[str] = AFTER_LEDGER) -> dict[str, int]:
+    """Per table of ``tables``, the count of rows of the DB ``ooc`` that ``same_rows`` found equal to
+    those of ``memory``, over every scenario ``ooc`` analyzed."""
+    counts: dict[str, int] = {}
+    with duckdb.connect(str(ooc), read_only=True) as con:
+        scenarios = [r[0] for r in con.execute("SELECT scenario FROM scenarios ORDER BY 1").fetchall()]
+        for table in tables:
+            for scenario in scenarios:
+                got = con.sql(f"SELECT * FROM {table} WHERE scenario = $1", params=[scenario]).pl()
+                counts[table] = counts.get(table, 0) + same_rows(got, memory, table, scenario)
+    return counts

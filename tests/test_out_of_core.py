@@ -9,6 +9,7 @@ from pathlib import Path
 import duckdb
 import pytest
 from click.testing import CliRunner
+from ooc_harness import NOT_OUT_OF_CORE, same_tables
 from scale_lake import ScaleFleet, write_scale_lake
 from test_leftovers import _dead_pid, _tmp_of
 
@@ -64,16 +65,19 @@ def test_out_of_core_equals_the_one_process_ledger(ooc_lakes: dict[str, Path], t
 def test_out_of_core_on_the_demo_lake(demo_workdir: Path, tmp_path: Path) -> None:
     """The demo's what-ifs (the trace on 8 replicas under three routings, the agents on 4 with a
     pool), cut by the default plan: the ledger tables of ``make demo``'s own analysis (which was
-    given the models the requests name: its scenarios rows say so)."""
+    given the models the requests name: its scenarios rows say so), and the analyses after it."""
     with duckdb.connect(str(demo_workdir / "kvlens.duckdb"), read_only=True) as con:
         analyzed = [r[0] for r in con.execute("SELECT scenario FROM scenarios ORDER BY 1").fetchall()]
     result = analyze_lake(demo_workdir / "lake", tmp_path / "ooc.duckdb", analyzed, out_of_core=OutOfCore())
     counts = _same_ledger(tmp_path / "ooc.duckdb", demo_workdir / "kvlens.duckdb",
                           {**LEDGER, "scenarios": "* EXCLUDE (analyzed_ns, model_source)"})
     assert counts["block_outcomes"] > 1_000_000 and counts["scenarios"] == len(result.scenarios) == 4
+    counts = same_tables(tmp_path / "ooc.duckdb", demo_workdir / "kvlens.duckdb")
+    assert all(counts[table] > 0 for table in ("fanout", "tier_payoff", "latency_tails", "crossover"))
     with duckdb.connect(str(tmp_path / "ooc.duckdb"), read_only=True) as con:
-        ((flows,),) = con.execute("SELECT count(*) FROM flows").fetchall()
-    assert flows == 0  # the analyses after the ledger are not computed out of core
+        for table in NOT_OUT_OF_CORE:
+            ((rows,),) = con.execute(f"SELECT count(*) FROM {table}").fetchall()
+            assert rows == 0, f"{table} is not computed out of core yet"
 
 
 def test_out_of_core_on_a_generated_fleet(tmp_path: Path) -> None:
