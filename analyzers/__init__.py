@@ -105,8 +105,8 @@ _PER_REQUEST = ("scenario", "replica", "arrival_ns", "prompt_tokens", "hit_token
                 "miss_tokens", "cached_tokens", "dominant_miss", "ttft_ms", "queue_ms")
 
 
-def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry
-                         ) -> Iterator[tuple[str, pl.DataFrame]]:
+def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry, *,
+                         metrics_from: str | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
     """The analyses after the ledger, out of core (``kvlens analyze --out-of-core``, issue 17): as
     ``analyze_scenario`` computes them, from the scenario's ``block_outcomes`` and
     ``request_ledger`` rows already in the analysis DB on ``con`` rather than from frames.
@@ -115,6 +115,7 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     gets back only its small aggregates; the request ledger is read as the few columns the latency
     tails and the reconciliation need (about 80 bytes per request: memory O(requests), not
     O(block accesses)). The rows are those ``analyze_scenario`` writes (tests/test_ooc_analyses.py).
+    ``metrics_from``: the scenario holding the engines' scraped metrics, as for ``analyze_scenario``.
     """
     per_token = model.kv_bytes_per_token()
     requests = scenario_rows(con, "requests", scenario)
@@ -131,13 +132,14 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     yield "latency_tails", latency_tails(request_ledger=per_request)
     costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
     yield "crossover", crossover(costs=costs, scenario=scenario)
-    ((scraped,),) = samples.aggregate("count(*)").fetchall()
+    metrics = scenario_rows(con, "metric_samples", metrics_from) if metrics_from else samples
+    ((scraped,),) = metrics.aggregate("count(*)").fetchall()
     if scraped:
-        yield "reconciliation", reconcile(metric_samples=samples, request_ledger=per_request,
+        yield "reconciliation", reconcile(metric_samples=metrics, request_ledger=per_request,
                                           scenario=scenario)
     del per_request
     yield "tier_reconciliation", tier_reconciliation(
-        block_outcomes=outcomes, requests=requests, metric_samples=samples, scenario=scenario)
+        block_outcomes=outcomes, requests=requests, metric_samples=metrics, scenario=scenario)
 
 
 def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry,

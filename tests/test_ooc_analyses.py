@@ -33,9 +33,10 @@ def test_the_analyses_after_the_ledger_equal_the_one_process_ones(
         assert counts[table] > 0 or not REQUIRED.get(table, True), f"{table}: no rows on {name}"
 
 
-def _scrape(lake: Path) -> None:
+def _scrape(lake: Path, into: str | None = None) -> None:
     """Scrapes of every replica of the lake's scenario beside its requests: the prefix cache's hit
-    and query counters and the per-source ones, every 10 minutes over its span (reconciliation)."""
+    and query counters and the per-source ones, every 10 minutes over its span (reconciliation);
+    ``into``: as the samples of that scenario (``--metrics-from``) rather than the requests'."""
     con = duckdb.connect()
     open_lake(con, lake)
     ((scenario, first, last),) = con.execute(
@@ -52,19 +53,22 @@ def _scrape(lake: Path) -> None:
                     ("vllm:prompt_tokens_cached_by_source_total", [("source", "device")], 300.0 * n)):
                 for column, v in zip(rows, (ts, replica, name, labels, value), strict=True):
                     rows[column].append(v)
-    with SegmentWriter(lake, "metric_samples", scenario=scenario, writer_id="scrape") as w:
+    with SegmentWriter(lake, "metric_samples", scenario=into or scenario, writer_id="scrape") as w:
         w.append_columns(rows)
 
 
-def test_the_analyses_after_the_ledger_on_a_generated_fleet(tmp_path: Path) -> None:
+@pytest.mark.parametrize("metrics_from", [None, "scrapes"])
+def test_the_analyses_after_the_ledger_on_a_generated_fleet(tmp_path: Path, metrics_from: str | None) -> None:
     """Several windows, replicas and partitions: the fan-out's and tails' windows, the tiers' sums."""
     lake = tmp_path / "lake"
     # a request every 100 ms: the fan-out and the tails have two windows of 15 minutes
     write_scale_lake(lake, 40_000, fleet=ScaleFleet(replicas=4, capacity=700, prefixes=400,
                                                     interval_ns=100_000_000), chunk_requests=150)
-    _scrape(lake)
-    memory = memory_db(lake, tmp_path / "memory.duckdb")
-    analyze_lake(lake, tmp_path / "ooc.duckdb", out_of_core=OutOfCore(partitions=5, rows_per_range=5_000))
+    _scrape(lake, metrics_from)
+    memory = tmp_path / "memory.duckdb"
+    analyze_lake(lake, memory, ["scale"], full=True, metrics_from=metrics_from)
+    analyze_lake(lake, tmp_path / "ooc.duckdb", ["scale"], metrics_from=metrics_from,
+                 out_of_core=OutOfCore(partitions=5, rows_per_range=5_000))
     counts = same_tables(tmp_path / "ooc.duckdb", memory)
     assert counts["fanout"] == 2 and counts["latency_tails"] > 40 and counts["tier_payoff"] >= 4
     assert counts["reconciliation"] >= 4 and counts["tier_reconciliation"] >= 4

@@ -138,8 +138,7 @@ def test_a_killed_runs_spill_is_removed_by_the_next(ooc_lakes: dict[str, Path], 
     assert sorted(p.name for p in tmp_path.iterdir()) == [db.name]
 
 
-@pytest.mark.parametrize("flags", [["--ray"], ["--join", "conv"], ["--cache-tokens", "1000"],
-                                   ["--metrics-from", "conv"]])
+@pytest.mark.parametrize("flags", [["--ray"], ["--join", "conv"], ["--cache-tokens", "1000"]])
 def test_out_of_core_refuses_flags_it_does_not_use(ooc_lakes: dict[str, Path], tmp_path: Path,
                                                    flags: list[str]) -> None:
     run = CliRunner().invoke(cli, ["analyze", "--lake", str(ooc_lakes["simulated"]), "--db",
