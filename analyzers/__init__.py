@@ -9,6 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import duckdb
 import polars as pl
@@ -27,7 +28,7 @@ from kvlens.analyzers.mrc import mrc
 from kvlens.analyzers.outcomes import Ledger, Resume, block_outcomes, ledger_outcomes, rows_of
 from kvlens.analyzers.partitions import Partitions
 from kvlens.analyzers.provenance import scenario_provenance
-from kvlens.analyzers.ranking import prefix_ranking
+from kvlens.analyzers.ranking import prefix_ranking, prefix_ranking_out_of_core
 from kvlens.analyzers.reconcile import reconcile
 from kvlens.analyzers.request_ledger import request_ledger
 from kvlens.analyzers.reuse import ReuseState, access_stream, reuse, reuse_continued
@@ -106,7 +107,8 @@ _PER_REQUEST = ("scenario", "replica", "arrival_ns", "prompt_tokens", "hit_token
 
 
 def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry, *,
-                         metrics_from: str | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
+                         work: Path, partitions: int, metrics_from: str | None = None
+                         ) -> Iterator[tuple[str, pl.DataFrame]]:
     """The analyses after the ledger, out of core (``kvlens analyze --out-of-core``, issue 17): as
     ``analyze_scenario`` computes them, from the scenario's ``block_outcomes`` and
     ``request_ledger`` rows already in the analysis DB on ``con`` rather than from frames.
@@ -116,7 +118,16 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     tails and the reconciliation need (about 80 bytes per request: memory O(requests), not
     O(block accesses)). The rows are those ``analyze_scenario`` writes (tests/test_ooc_analyses.py).
     ``metrics_from``: the scenario holding the engines' scraped metrics, as for ``analyze_scenario``.
+    The analyses that cut the outcomes into partitions of their own (the prefix ranking: ranges of
+    requests, then partitions of prefix tips) spill to a directory of their own in ``work``, and
+    start from ``partitions``, the ledger's count of block-hash partitions.
     """
+
+    def spill(name: str) -> Path:
+        where = work / name
+        where.mkdir(parents=True)
+        return where
+
     per_token = model.kv_bytes_per_token()
     requests = scenario_rows(con, "requests", scenario)
     blocks = scenario_rows(con, "request_blocks", scenario)
@@ -132,6 +143,8 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     yield "latency_tails", latency_tails(request_ledger=per_request)
     costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
     yield "crossover", crossover(costs=costs, scenario=scenario)
+    yield "prefix_ranking", prefix_ranking_out_of_core(con, scenario, work=spill("prefix_ranking"),
+                                                       partitions=partitions, costs=costs)
     metrics = scenario_rows(con, "metric_samples", metrics_from) if metrics_from else samples
     ((scraped,),) = metrics.aggregate("count(*)").fetchall()
     if scraped:

@@ -227,7 +227,8 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                         con, lake, scenario, spill, bytes_per_token=geometry.kv_bytes_per_token(),
                         group_bytes_per_token=group_bytes_per_token(geometry), plan=plan, result=result,
                         say=_saying(each, scenario))
-                    yield from analyze_after_ledger(con, scenario, geometry, metrics_from=metrics_from)
+                    yield from analyze_after_ledger(con, scenario, geometry, work=spill / "after",
+                                                    partitions=result.partitions, metrics_from=metrics_from)
                 finally:
                     shutil.rmtree(spill, ignore_errors=True)
                 yield "scenarios", scenario_row(

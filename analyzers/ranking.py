@@ -23,22 +23,35 @@ replica) or the shared pool (several replicas). ``P_stall``: loads that failed
 segment. ``P_eviction``: what the segment's bytes push out of a pool of the device's
 ``pool_capacity_bytes`` once the demand ``D`` (segment bytes of every group worth loading)
 exceeds it: ``bytes · (V/D) · max(0, 1 − C/D)``, ``V`` the gross benefit of that demand.
+
+**Out of core** (``prefix_ranking_out_of_core``, issue 17): the same frame from the analysis DB's
+``block_outcomes``, by ranges of requests (a request's runs, tips and chain totals need only its own
+rows and each block's count over the scenario) whose per-tip partial sums are merged by partitions
+of tips, with one range's or one partition's rows in memory at a time.
 """
 
 from __future__ import annotations
 
 import math
+import shutil
+from pathlib import Path
 from typing import Any
 
+import duckdb
 import numpy as np
 import polars as pl
 
 from kvlens.analyzers.costs import CostModel, LoadPath
 from kvlens.schema import Outcome
 
-__all__ = ["prefix_ranking"]
+__all__ = ["ROWS_IN_MEMORY", "prefix_ranking", "prefix_ranking_out_of_core"]
 
 TOP_N = 200
+# Out of core: the rows of one range of requests, or one partition of tips' partial rows, in memory at once.
+ROWS_IN_MEMORY = 2_000_000
+
+# block_outcomes' columns the ranking reads as they are (then the outcome as a string, tokens, bytes)
+_COLUMNS = ("request_id", "replica", "arrival_ns", "position", "block_hash")
 
 _MISS_CAUSES = tuple(o.value for o in (Outcome.MISS_ROUTING, Outcome.MISS_EVICTED, Outcome.HIT_REMOTE,
                                         Outcome.MISS_LOAD_FAILED))
@@ -69,10 +82,13 @@ def _segments(outcomes: pl.DataFrame) -> pl.DataFrame:
     """Each shared block access with its group's tip, parent tip, and chain totals.
 
     On arrays in request order: a run is a stretch of one request's consecutive positions of one
-    count; its tip is its last block and its parent the tip of the request's run before it."""
+    count; its tip is its last block and its parent the tip of the request's run before it. Each
+    block's count ``n`` (the scenario's accesses of its hash) is counted here, unless ``outcomes``
+    carries it: out of core counts it over the whole scenario and gives whole requests' rows, for
+    all that is computed here is within one request."""
     df, new_request = _in_request_order(outcomes)
     size = df.height
-    n = df.select(pl.len().over("block_hash")).to_series().to_numpy()
+    n = (df["n"] if "n" in df.columns else df.select(pl.len().over("block_hash")).to_series()).to_numpy()
     pos, hashes = df["position"].to_numpy(), df["block_hash"].to_numpy()
     begin = np.maximum.accumulate(np.where(new_request, np.arange(size), 0))  # each row's request start
     brk = new_request.copy()
@@ -96,24 +112,38 @@ def _segments(outcomes: pl.DataFrame) -> pl.DataFrame:
         *(pl.Series(k, v) for k, v in columns.items()))
 
 
-def _groups(shared: pl.DataFrame) -> pl.DataFrame:
-    tokens_of = {c: pl.col("tokens").cast(pl.Int64).filter(pl.col("outcome") == c).sum().alias(f"{c}_tokens")
-                 for c in _MISS_CAUSES}
-    return shared.group_by("tip").agg(
-        pl.col("n").first().alias("requests"),
-        pl.col("replica").n_unique().alias("replicas"),
-        pl.col("cum_tokens").max().alias("prefix_tokens"),
-        pl.col("cum_bytes").max().alias("bytes"),
+def _partial(shared: pl.DataFrame) -> pl.DataFrame:
+    """Per tip and replica, of ``shared`` (``_segments``' rows): what ``_merged`` sums and takes
+    extremes of. Out of core, a tip's accesses are split over ranges of requests: each range's
+    partial rows are merged per tip (integer sums, minima and maxima: exact in any grouping)."""
+    tokens_of = [pl.col("tokens").cast(pl.Int64).filter(pl.col("outcome") == c).sum().alias(f"{c}_tokens")
+                 for c in _MISS_CAUSES]
+    return shared.group_by("tip", "replica").agg(
+        pl.col("n").first(),
+        pl.col("cum_tokens").max(), pl.col("cum_bytes").max(),
         pl.col("start_tokens").max(), pl.col("start_bytes").max(),
         pl.col("parent_hash").min(),  # one parent per tip: the chain above it is shared
         pl.col("arrival_ns").min().alias("first_arrival_ns"),
         pl.col("arrival_ns").max().alias("last_arrival_ns"),
-        *tokens_of.values(),
+        *tokens_of,
+    )
+
+
+def _merged(partial: pl.DataFrame) -> pl.DataFrame:
+    """One row per prefix group (tip) of ``_partial``'s rows: its counts, sizes and miss tokens."""
+    return partial.group_by("tip").agg(
+        pl.col("n").first().alias("requests"),
+        pl.col("replica").n_unique().alias("replicas"),
+        pl.col("cum_tokens").max().alias("prefix_tokens"),
+        pl.col("cum_bytes").max().alias("bytes"),
+        pl.col("start_tokens").max(), pl.col("start_bytes").max(), pl.col("parent_hash").min(),
+        pl.col("first_arrival_ns").min(), pl.col("last_arrival_ns").max(),
+        *(pl.col(f"{c}_tokens").sum() for c in _MISS_CAUSES),
     ).rename({"tip": "prefix_hash"}).with_columns(
         (pl.col("prefix_tokens") - pl.col("start_tokens")).alias("segment_tokens"),
         (pl.col("bytes") - pl.col("start_bytes")).alias("segment_bytes"),
         (pl.col("miss_routing_tokens") + pl.col("miss_evicted_tokens")).alias("avoidable_miss_tokens"),
-    )
+    ).filter(pl.col("segment_tokens") > 0)
 
 
 Group = dict[str, Any]
@@ -167,6 +197,11 @@ def _with_terms(groups: pl.DataFrame, costs: CostModel) -> pl.DataFrame:
         stall_ms=pl.col("miss_load_failed_tokens").cast(pl.Float64) / tokens * pl.col("remote_ms"))
 
 
+def _worth(groups: pl.DataFrame) -> pl.DataFrame:
+    """The groups worth loading at all (gross > 0): the pool's demand."""
+    return groups.filter(pl.col("gross_ms") > 0)
+
+
 def _with_eviction(groups: pl.DataFrame, capacity_bytes: int) -> pl.DataFrame:
     """P_eviction: a segment displaces its bytes of average-value content once the pool is full.
 
@@ -174,11 +209,19 @@ def _with_eviction(groups: pl.DataFrame, capacity_bytes: int) -> pl.DataFrame:
     it that cannot fit, ``1 − C/D``, is what a new segment's bytes push out, each byte worth
     the average ``V/D`` of that demand.
     """
-    worth = groups.filter(pl.col("gross_ms") > 0)
-    demand = int(worth["segment_bytes"].sum())
+    worth = _worth(groups)
     # fsum: exact whatever order group_by returned the groups in, so two analyses agree to the bit
-    value = math.fsum(worth["gross_ms"].to_list())
-    per_byte = value / demand * max(0.0, 1.0 - capacity_bytes / demand) if demand else 0.0
+    return _evicting(groups, _per_byte(math.fsum(worth["gross_ms"].to_list()),
+                                       int(worth["segment_bytes"].sum()), capacity_bytes))
+
+
+def _per_byte(value: float, demand: int, capacity_bytes: int) -> float:
+    """What a byte pushed out of the pool is worth: ``(V/D) · max(0, 1 − C/D)``."""
+    return value / demand * max(0.0, 1.0 - capacity_bytes / demand) if demand else 0.0
+
+
+def _evicting(groups: pl.DataFrame, per_byte: float) -> pl.DataFrame:
+    """``groups`` with their eviction_ms at ``per_byte`` (``_per_byte``) and their benefit_ms."""
     evicted = pl.lit(per_byte, pl.Float64) * pl.col("segment_bytes").cast(pl.Float64)
     return groups.with_columns(eviction_ms=evicted).with_columns(
         benefit_ms=pl.col("gross_ms") - pl.col("stall_ms") - pl.col("write_ms") - pl.col("eviction_ms"))
@@ -223,19 +266,141 @@ def prefix_ranking(*, block_outcomes: pl.DataFrame, costs: CostModel, scenario: 
     keep local / do not publish: only positive benefit is recommended), reason,
     first_arrival_ns, last_arrival_ns. Sorted by benefit, best first (rank 1).
     """
-    rows = block_outcomes.select("request_id", "replica", "arrival_ns", "position", "block_hash",
-                       pl.col("outcome").cast(pl.String), "tokens", "bytes")
-    groups = _groups(_segments(rows)).filter(pl.col("segment_tokens") > 0)
+    rows = block_outcomes.select(*_COLUMNS, pl.col("outcome").cast(pl.String), "tokens", "bytes")
+    groups = _merged(_partial(_segments(rows)))
     if groups.height == 0:
         return pl.DataFrame(schema=_SCHEMA)
     ranked = _with_eviction(_with_terms(groups, costs), costs.device.pool_capacity_bytes)
-    # best first, ties by tip (+ 0.0: a benefit of -0.0 ranks as 0.0 does)
-    order = ranked.sort(pl.col("benefit_ms") + 0.0, "prefix_hash", descending=[True, False])
-    top = order.head(top_n).to_dicts()
+    return _ranked(_best(ranked, top_n), scenario)
+
+
+def _best(ranked: pl.DataFrame, top_n: int) -> pl.DataFrame:
+    """The ``top_n`` best of ``ranked``, best first, ties by tip (+ 0.0: a benefit of -0.0 ranks
+    as 0.0 does): an order on the tips alone, so the best of the best of each part are the best."""
+    return ranked.sort(pl.col("benefit_ms") + 0.0, "prefix_hash", descending=[True, False]).head(top_n)
+
+
+def _ranked(best: pl.DataFrame, scenario: str) -> pl.DataFrame:
+    """``best`` (``_best``'s rows) ranked, each with its recommendation and reason."""
+    top = best.to_dicts()
     for i, g in enumerate(top, 1):
         g["rank"], g["scenario"], g["reuses"] = i, scenario, int(g["requests"]) - 1
         g["recommendation"], g["reason"] = _recommend(g)
     return pl.DataFrame(top, schema=_SCHEMA)
+
+
+def prefix_ranking_out_of_core(con: duckdb.DuckDBPyConnection, scenario: str, *, work: Path, partitions: int,
+                               costs: CostModel, top_n: int = TOP_N,
+                               rows_in_memory: int = ROWS_IN_MEMORY) -> pl.DataFrame:
+    """``prefix_ranking`` of ``scenario`` from the ``block_outcomes`` table on ``con`` (the analysis
+    DB out of core builds), holding at most about ``rows_in_memory`` rows in Python at once.
+
+    1. One DuckDB pass counts each block hash's accesses (``n``) and writes every access, with its
+       count, to the range of requests ``hash(request_id) mod R`` (R: ``partitions``, or more to keep
+       ranges near ``rows_in_memory``). What ``_segments`` derives from ``n`` (runs, tips, parents,
+       chain totals) is within one request, so each range gives its requests' rows exactly.
+    2. Per range: ``_segments`` and ``_partial`` (per tip and replica: integer sums, minima, maxima),
+       written to ``work``. DuckDB moves the partial rows to partitions ``tip mod K``.
+    3. Per partition of tips: ``_merged`` (one row per group; a tip's partial rows are all in its
+       partition, and sums, extremes and distinct replicas merge exactly), then ``_with_terms``,
+       row by row as in memory. The pool's demand sums integers; its value is summed exactly
+       (``_ExactSum``) and rounded once, as ``math.fsum`` rounds: the same float. The groups with
+       their terms are written to ``work``.
+    4. Per partition again: the eviction at that value per byte, and its ``top_n`` best (``_best``:
+       an order on the tips alone, so the best of every partition's best are the best); those ranked.
+
+    Exact: the frame equals ``prefix_ranking``'s, every float to the bit (tests/test_ooc_ranking.py).
+    Memory in Python: O(``rows_in_memory``) rows at a time: one range's accesses (about ``1/R`` of
+    the scenario's), or one partition's partial rows or groups (a tip has at most one partial row per
+    range and replica, so no group, however popular, outgrows a partition), and ``top_n`` rows per
+    partition of tips. DuckDB's count, join and partitioned writes spill past its memory limit.
+    ``work``: an empty directory for the spill files (the accesses' copy is removed once read).
+    """
+    ((total,),) = con.execute("SELECT count(*) FROM block_outcomes WHERE scenario = ?", [scenario]).fetchall()
+    if not total:
+        return pl.DataFrame(schema=_SCHEMA)
+    ranges = max(1, partitions, math.ceil(total / rows_in_memory))
+    by_range, partial, by_tip, terms = (work / name for name in ("by_range", "partial", "by_tip", "terms"))
+    partial.mkdir()
+    terms.mkdir()
+    con.execute(f"""
+        COPY (WITH o AS (SELECT * FROM block_outcomes WHERE scenario = $scenario),
+                   counts AS (SELECT block_hash, CAST(count(*) AS UINTEGER) AS n FROM o GROUP BY block_hash)
+              SELECT {", ".join(_COLUMNS)}, CAST(outcome AS VARCHAR) AS outcome, tokens, bytes, n,
+                     hash(request_id) % {ranges} AS r
+              FROM o JOIN counts USING (block_hash))
+        TO '{_quoted(by_range)}' (FORMAT parquet, PARTITION_BY (r))""", {"scenario": scenario})
+    rows = 0
+    for i, part in enumerate(_parts(by_range)):
+        shared = _partial(_segments(pl.read_parquet(part / "*.parquet", hive_partitioning=False)))
+        shared.write_parquet(partial / f"{i}.parquet")
+        rows += shared.height
+    shutil.rmtree(by_range, ignore_errors=True)  # the largest spill: every access once
+    if not rows:
+        return pl.DataFrame(schema=_SCHEMA)
+    tips = max(1, partitions, math.ceil(rows / rows_in_memory))
+    con.execute(f"""
+        COPY (SELECT *, tip % {tips} AS p FROM read_parquet('{_quoted(partial / "*.parquet")}'))
+        TO '{_quoted(by_tip)}' (FORMAT parquet, PARTITION_BY (p))""")
+    demand, value = 0, _ExactSum()
+    for i, part in enumerate(_parts(by_tip)):
+        groups = _merged(pl.read_parquet(part / "*.parquet", hive_partitioning=False))
+        if groups.height:
+            groups = _with_terms(groups, costs)
+            worth = _worth(groups)
+            demand += int(worth["segment_bytes"].sum())
+            value.add(worth["gross_ms"].to_numpy())
+            groups.write_parquet(terms / f"{i}.parquet")
+    per_byte = _per_byte(value.total(), demand, costs.device.pool_capacity_bytes)
+    best = [_best(_evicting(pl.read_parquet(part), per_byte), top_n) for part in sorted(terms.iterdir())]
+    if not best:
+        return pl.DataFrame(schema=_SCHEMA)
+    return _ranked(_best(pl.concat(best), top_n), scenario)
+
+
+def _quoted(path: Path) -> str:
+    """``path`` inside a SQL string literal."""
+    return str(path).replace("'", "''")
+
+
+def _parts(directory: Path) -> list[Path]:
+    """The partitions DuckDB wrote under ``directory`` (none when it wrote no rows)."""
+    return sorted(directory.iterdir()) if directory.exists() else []
+
+
+class _ExactSum:
+    """The exact sum of floats added an array at a time, rounded once at the end to the nearest
+    float (ties to even), as ``math.fsum`` rounds the sum of all of them at once: the same float
+    however they are split. A finite float is a whole number of units of 2**-1126 (its 53-bit
+    mantissa times a power of two), so the sum is kept as that whole number: a Python int of a
+    few hundred bits. Infinities and NaNs are kept aside and summed with it by ``math.fsum``."""
+
+    _UNIT = 1126  # -log2 of the unit: the smallest subnormal is 2**-1074 = (2**52 / 2**53) * 2**-1073
+    _HALF = 26  # mantissas are summed in two halves of 27 bits at most, so int64 sums cannot overflow
+
+    def __init__(self) -> None:
+        self.units = 0
+        self.special: list[float] = []
+
+    def add(self, values: np.ndarray) -> None:
+        x = np.asarray(values, dtype=np.float64)
+        finite = np.isfinite(x)
+        self.special.extend(x[~finite].tolist())
+        mantissa, exponent = np.frexp(x[finite])  # x = mantissa * 2**exponent, 0.5 <= |mantissa| < 1
+        if not exponent.size:
+            return
+        order = np.argsort(exponent, kind="stable")
+        exponent = exponent[order]
+        whole = (mantissa[order] * 2.0**53).astype(np.int64)  # exact: x = whole * 2**(exponent - 53)
+        starts = np.flatnonzero(np.concatenate([[True], exponent[1:] != exponent[:-1]]))
+        high = np.add.reduceat(whole >> self._HALF, starts).tolist()
+        low = np.add.reduceat(whole & ((1 << self._HALF) - 1), starts).tolist()
+        for e, h, lo in zip(exponent[starts].tolist(), high, low, strict=True):
+            self.units += ((h << self._HALF) + lo) << (e - 53 + self._UNIT)
+
+    def total(self) -> float:
+        exact = self.units / (1 << self._UNIT)  # int / int: correctly rounded
+        return math.fsum([*self.special, exact]) if self.special else exact
 
 
 _SCHEMA = {
