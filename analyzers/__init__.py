@@ -20,7 +20,7 @@ from kvlens.analyzers.crossover import crossover
 from kvlens.analyzers.fanout import fanout, fanout_since
 from kvlens.analyzers.flows import FlowsState, flows, flows_continued
 from kvlens.analyzers.gaps import event_gaps, mark_incomplete
-from kvlens.analyzers.hygiene import hygiene
+from kvlens.analyzers.hygiene import hygiene, hygiene_out_of_core
 from kvlens.analyzers.isolation import isolation_findings
 from kvlens.analyzers.join import join_sources
 from kvlens.analyzers.ledger import miss_ledger
@@ -118,9 +118,10 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     tails and the reconciliation need (about 80 bytes per request: memory O(requests), not
     O(block accesses)). The rows are those ``analyze_scenario`` writes (tests/test_ooc_analyses.py).
     ``metrics_from``: the scenario holding the engines' scraped metrics, as for ``analyze_scenario``.
-    The analyses that cut the outcomes into partitions of their own (the prefix ranking: ranges of
-    requests, then partitions of prefix tips) spill to a directory of their own in ``work``, and
-    start from ``partitions``, the ledger's count of block-hash partitions.
+    The analyses that cut the rows into partitions of their own (the prefix ranking: ranges of
+    requests, then partitions of prefix tips; hygiene: requests, content hashes, run keys) spill
+    to a directory of their own in ``work``, and start from ``partitions``, the ledger's count of
+    block-hash partitions.
     """
 
     def spill(name: str) -> Path:
@@ -142,6 +143,8 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     per_request = scenario_rows(con, "request_ledger", scenario).select(*_PER_REQUEST).pl()
     yield "latency_tails", latency_tails(request_ledger=per_request)
     costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
+    yield "hygiene", hygiene_out_of_core(con, scenario, work=spill("hygiene"), partitions=partitions,
+                                         bytes_per_token=per_token)
     yield "crossover", crossover(costs=costs, scenario=scenario)
     yield "prefix_ranking", prefix_ranking_out_of_core(con, scenario, work=spill("prefix_ranking"),
                                                        partitions=partitions, costs=costs)

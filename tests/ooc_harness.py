@@ -28,8 +28,8 @@ DATA = Path(__file__).parent / "data"
 # The analyses after the ledger out of core writes (analyzers.analyze_after_ledger), and those it
 # does not compute yet (their tables stay empty).
 AFTER_LEDGER = ("fanout", "tier_payoff", "tier_reconciliation", "latency_tails", "crossover",
-                "reconciliation", "prefix_ranking")
-NOT_OUT_OF_CORE = ("flows", "reuse", "mrc", "ttl_coverage", "hygiene", "warmup", "isolation_findings")
+                "reconciliation", "prefix_ranking", "hygiene")
+NOT_OUT_OF_CORE = ("flows", "reuse", "mrc", "ttl_coverage", "warmup", "isolation_findings")
 
 
 def as_simulated(lake: Path, scenario: str) -> Path:
