@@ -21,7 +21,7 @@ from kvlens.analyzers.fanout import fanout, fanout_since
 from kvlens.analyzers.flows import FlowsState, flows, flows_continued
 from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.hygiene import hygiene, hygiene_out_of_core
-from kvlens.analyzers.isolation import isolation_findings
+from kvlens.analyzers.isolation import isolation_findings, isolation_findings_out_of_core
 from kvlens.analyzers.join import join_sources
 from kvlens.analyzers.ledger import miss_ledger
 from kvlens.analyzers.mrc import mrc
@@ -37,7 +37,7 @@ from kvlens.analyzers.state_blob import Pending, ready
 from kvlens.analyzers.stream_summary import requests_curves
 from kvlens.analyzers.tails import latency_tails
 from kvlens.analyzers.tiers import tier_payoff, tier_reconciliation
-from kvlens.analyzers.warmup import warmup
+from kvlens.analyzers.warmup import warmup, warmup_out_of_core
 from kvlens.models import ModelGeometry, group_bytes_per_token
 
 __all__ = [
@@ -119,7 +119,8 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     O(block accesses)). The rows are those ``analyze_scenario`` writes (tests/test_ooc_analyses.py).
     ``metrics_from``: the scenario holding the engines' scraped metrics, as for ``analyze_scenario``.
     The analyses that cut the rows into partitions of their own (the prefix ranking: ranges of
-    requests, then partitions of prefix tips; hygiene: requests, content hashes, run keys) spill
+    requests, then partitions of prefix tips; hygiene: requests, content hashes, run keys; warmup
+    and isolation, the outcomes and keys they cannot group in DuckDB alone) spill
     to a directory of their own in ``work``, and start from ``partitions``, the ledger's count of
     block-hash partitions.
     """
@@ -136,6 +137,9 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     samples = scenario_rows(con, "metric_samples", scenario)
     outcomes = scenario_rows(con, "block_outcomes", scenario)
     scans = Scans({"kv_events": (events, "ts_ns"), "request_blocks": (blocks, "arrival_ns")}, None, None)
+    yield "isolation_findings", isolation_findings_out_of_core(
+        con, scenario, work=spill("isolation_findings"), partitions=partitions, bytes_per_token=per_token)
+    yield "warmup", warmup_out_of_core(con, scenario, work=spill("warmup"), partitions=partitions)
     yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
                                      bytes_per_token=per_token,
                                      group_bytes_per_token=group_bytes_per_token(model), scans=scans)
