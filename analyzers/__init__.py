@@ -18,7 +18,7 @@ from kvlens.analyzers.capacity import DEFAULT_TTLS_S, effective_capacity, ttl_co
 from kvlens.analyzers.costs import cost_model
 from kvlens.analyzers.crossover import crossover
 from kvlens.analyzers.fanout import fanout, fanout_since
-from kvlens.analyzers.flows import FlowsState, flows, flows_continued
+from kvlens.analyzers.flows import FlowsState, flows, flows_continued, flows_out_of_core
 from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.hygiene import hygiene, hygiene_out_of_core
 from kvlens.analyzers.isolation import isolation_findings, isolation_findings_out_of_core
@@ -120,7 +120,8 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     ``metrics_from``: the scenario holding the engines' scraped metrics, as for ``analyze_scenario``.
     The analyses that cut the rows into partitions of their own (the prefix ranking: ranges of
     requests, then partitions of prefix tips; hygiene: requests, content hashes, run keys; warmup
-    and isolation, the outcomes and keys they cannot group in DuckDB alone) spill
+    and isolation, the outcomes and keys they cannot group in DuckDB alone; flows, the events, hits
+    and transfers by block hash) spill
     to a directory of their own in ``work``, and start from ``partitions``, the ledger's count of
     block-hash partitions.
     """
@@ -143,6 +144,8 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     yield "tier_payoff", tier_payoff(block_outcomes=outcomes, kv_events=events, scenario=scenario,
                                      bytes_per_token=per_token,
                                      group_bytes_per_token=group_bytes_per_token(model), scans=scans)
+    yield "flows", flows_out_of_core(con, scenario, work=spill("flows"), partitions=partitions,
+                                     bytes_per_token=per_token)
     yield "fanout", fanout(block_outcomes=outcomes)
     per_request = scenario_rows(con, "request_ledger", scenario).select(*_PER_REQUEST).pl()
     yield "latency_tails", latency_tails(request_ledger=per_request)

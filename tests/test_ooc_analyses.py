@@ -18,7 +18,8 @@ from kvlens.lake import SegmentWriter, open_lake
 # Whether each table must have rows on every lake (the hand-built lakes have no probe runs or scrapes).
 REQUIRED = {"fanout": True, "tier_payoff": True, "tier_reconciliation": False, "latency_tails": True,
             "crossover": False, "reconciliation": False, "prefix_ranking": False,
-            "hygiene": False, "warmup": True, "isolation_findings": False}
+            "hygiene": False, "warmup": True, "isolation_findings": False,
+            "flows": True}
 
 
 @pytest.mark.parametrize(("name", "scenarios"), [
