@@ -1,6 +1,7 @@
 """``kvlens analyze --out-of-core`` (analyzers/out_of_core.py, issue 17): the ledger computed one
 block-hash partition and one range of requests at a time equals the one-process ledger, row for row
-and in the same order, on every lake it accepts; it refuses the others before writing anything."""
+and in the same order, on every lake it accepts (real engines' requests, admitted at their own stores
+replica by replica, included); it refuses the others before writing anything."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ from pathlib import Path
 
 import duckdb
 import pytest
+from capture_lines import capture_lake
 from click.testing import CliRunner
-from ooc_harness import NOT_OUT_OF_CORE, same_tables
+from ooc_harness import DATA, NOT_OUT_OF_CORE, same_tables
 from scale_lake import ScaleFleet, write_scale_lake
 from test_leftovers import _dead_pid, _tmp_of
 
@@ -17,6 +19,7 @@ from kvlens.analyzers.analyze import analyze_lake
 from kvlens.analyzers.out_of_core import OutOfCore
 from kvlens.cli import cli
 from kvlens.errors import ConfigError
+from kvlens.lake import open_lake, write_scenario
 
 # The tables out of core writes; scenarios' analyzed_ns is the wall clock of each analysis.
 LEDGER = {"block_outcomes": "*", "request_ledger": "*", "miss_ledger": "*",
@@ -42,13 +45,15 @@ def _same_ledger(got: Path, want: Path, tables: dict[str, str] = LEDGER) -> dict
 
 
 @pytest.mark.parametrize(("name", "scenarios", "per_range"), [
-    ("simulated", (), 97), ("capture", (), 97), ("hybrid", (), 97), ("hand", ("clear",), 2)])
+    ("simulated", (), 97), ("capture", (), 97), ("hybrid", (), 97), ("hand", ("clear",), 2),
+    ("anchored", (), 97)])
 @pytest.mark.parametrize("partitions", [1, 3, 16])
 def test_out_of_core_equals_the_one_process_ledger(ooc_lakes: dict[str, Path], tmp_path: Path, name: str,
                                                    scenarios: tuple[str, ...], per_range: int,
                                                    partitions: int) -> None:
     """Every partition count, with ranges of a few requests: the same rows as a full analysis, and
-    block_outcomes in the same order (look-up order)."""
+    block_outcomes in the same order (look-up order); ``anchored``'s requests are a real engine's,
+    admitted at their own stores."""
     lake = ooc_lakes[name]
     analyze_lake(lake, tmp_path / "memory.duckdb", scenarios, full=True)
     result = analyze_lake(lake, tmp_path / "ooc.duckdb", scenarios,
@@ -97,13 +102,12 @@ def test_out_of_core_on_a_generated_fleet(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("name", "scenario", "said"), [
-    ("anchored", "capture", "admitted at their own KV events"),
     ("hand", "hand", "namespaces"),
 ])
 def test_out_of_core_refuses_what_it_cannot_compute(ooc_lakes: dict[str, Path], tmp_path: Path, name: str,
                                                     scenario: str, said: str) -> None:
-    """A real engine's requests (admission reads the whole stream) and two namespaces (content maps):
-    one error naming the scenario and the way out, and nothing left beside the DB."""
+    """Two namespaces (content maps): one error naming the scenario and the way out, and nothing left
+    beside the DB."""
     with pytest.raises(ConfigError, match=f"scenario {scenario} cannot be analyzed out of core: .*{said}"
                                           ".*without --out-of-core"):
         analyze_lake(ooc_lakes[name], tmp_path / "ooc.duckdb", [scenario], out_of_core=OutOfCore())
@@ -146,3 +150,80 @@ def test_out_of_core_refuses_flags_it_does_not_use(ooc_lakes: dict[str, Path], t
     assert run.exit_code != 0
     assert f"{flags[0]} cannot go with --out-of-core" in run.output
     assert not (tmp_path / "x.duckdb").exists()
+
+
+def _two_replicas(lake: Path, out: Path, *, offset_ns: int, interleave: bool = False,
+                  pool_every: int = 0) -> Path:
+    """``lake``'s one-replica capture as a fleet of two, into ``out`` (a lake): ``replica-b`` replays
+    ``replica-a``'s requests (ids suffixed ``-b``) and events ``offset_ns`` later. ``interleave``: each
+    batch's rows alternate between the two replicas in one segment (with offset 0: two batches of one
+    time and batch number, which admission reads one replica at a time); ``pool_every``: replica-b's
+    batches whose number is a multiple of it are the shared pool's (pool-medium events)."""
+    con = duckdb.connect()
+    try:
+        open_lake(con, lake)
+        con.execute("SET preserve_insertion_order = true")
+        tables = {}
+        for name in ("requests", "request_blocks", "kv_events"):
+            columns = [r[0] for r in con.execute(f"DESCRIBE {name}").fetchall() if r[0] != "scenario"]
+            moved = {"request_id": "request_id || '-b'", "replica": "'replica-b'",
+                     "arrival_ns": f"arrival_ns + {offset_ns}", "ts_ns": f"ts_ns + {offset_ns}",
+                     "medium": f"CASE WHEN {pool_every} > 0 AND seq % {max(pool_every, 1)} = 0 THEN 'pool' "
+                               "ELSE medium END"}
+            a = ", ".join(columns)
+            b = ", ".join(f"{moved[c]} AS {c}" if c in moved else c for c in columns)
+            if name != "kv_events":
+                both = f"SELECT {a} FROM {name} UNION ALL SELECT {b} FROM {name}"
+                tables[name] = con.sql(both).arrow().read_all()
+                continue
+            rows = "(SELECT *, row_number() OVER () AS n FROM kv_events)"
+            at = "row_number() OVER (PARTITION BY ts_ns, seq ORDER BY n) AS k"  # the row's place in its batch
+            tables[name] = con.sql(f"""
+                SELECT {a} FROM (SELECT {a}, {at}, 0 AS r FROM {rows}
+                                 UNION ALL SELECT {b}, {at}, 1 AS r FROM {rows})
+                ORDER BY ts_ns, seq, {"k, r" if interleave else "r, k"}""").arrow().read_all()
+    finally:
+        con.close()
+    write_scenario(out, "capture", tables, writer_id="two-replicas")
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_lakes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Real vLLM captures, whose requests admission anchors at their own stores: chunked prefill under
+    memory pressure, a hybrid model (a sliding window group) preempting, and one serving clients
+    concurrently; and fleets of two replicas made of them (``_two_replicas``): the concurrent hybrid
+    capture's batches interleaved with a copy's, and the concurrent capture beside a copy 1 ms later
+    that publishes some batches to the shared pool."""
+    tmp = tmp_path_factory.mktemp("real")
+    lakes = {name: capture_lake(DATA / capture, tmp_path_factory.mktemp(name), model)
+             for name, capture, model in (
+        ("chunked", "vllm-chunked-capture", "tiny"),
+        ("preempting-hybrid", "vllm-preempting-hybrid-capture", "tiny-gemma2"),
+        ("concurrent-hybrid", "vllm-concurrent-hybrid-capture", "tiny-gemma2"),
+        ("concurrent", "vllm-concurrent-capture", "tiny"))}
+    lakes["two-interleaved"] = _two_replicas(lakes["concurrent-hybrid"], tmp / "two-interleaved",
+                                             offset_ns=0, interleave=True)
+    lakes["two-with-pool"] = _two_replicas(lakes.pop("concurrent"), tmp / "two-with-pool",
+                                           offset_ns=1_000_003, pool_every=4)
+    return lakes
+
+
+@pytest.mark.parametrize(("name", "partitions"), [
+    ("chunked", 3), ("preempting-hybrid", 16), ("concurrent-hybrid", 1), ("two-interleaved", 3),
+    ("two-with-pool", 3)])
+def test_out_of_core_admits_a_real_engines_requests(real_lakes: dict[str, Path], tmp_path: Path, name: str,
+                                                    partitions: int) -> None:
+    """Admission at the requests' own stores, computed one replica at a time, gives the one-process
+    ledger's rows: where its rules matter (the time rule differs on each of these lakes), on two
+    replicas whose batches interleave in the stream (barrier rows keep their rows apart), and with a
+    shared pool's events between a request's time and its run (its cut falls back to its time)."""
+    lake = real_lakes[name]
+    analyze_lake(lake, tmp_path / "memory.duckdb", full=True)
+    result = analyze_lake(lake, tmp_path / "ooc.duckdb",
+                          out_of_core=OutOfCore(partitions=partitions, rows_per_range=1_500))
+    counts = _same_ledger(tmp_path / "ooc.duckdb", tmp_path / "memory.duckdb")
+    assert counts["request_ledger"] >= 360
+    for _, mode, why in result.modes:
+        assert mode == "full" and f"in {partitions} block-hash partitions" in why
+    assert not list(tmp_path.glob(".*.ooc")), "the spill directory is removed"
