@@ -6,6 +6,7 @@ the analysis DB writer; each analysis lives in a module of its own.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -14,7 +15,12 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from kvlens.analyzers.capacity import DEFAULT_TTLS_S, effective_capacity, ttl_coverage
+from kvlens.analyzers.capacity import (
+    DEFAULT_TTLS_S,
+    effective_capacity,
+    ttl_coverage,
+    ttl_coverage_out_of_core,
+)
 from kvlens.analyzers.costs import cost_model
 from kvlens.analyzers.crossover import crossover
 from kvlens.analyzers.fanout import fanout, fanout_since
@@ -24,20 +30,21 @@ from kvlens.analyzers.hygiene import hygiene, hygiene_out_of_core
 from kvlens.analyzers.isolation import isolation_findings, isolation_findings_out_of_core
 from kvlens.analyzers.join import join_sources
 from kvlens.analyzers.ledger import miss_ledger
-from kvlens.analyzers.mrc import mrc
+from kvlens.analyzers.mrc import mrc, mrc_out_of_core
 from kvlens.analyzers.outcomes import Ledger, Resume, block_outcomes, ledger_outcomes, rows_of
 from kvlens.analyzers.partitions import Partitions
 from kvlens.analyzers.provenance import scenario_provenance
 from kvlens.analyzers.ranking import prefix_ranking, prefix_ranking_out_of_core
 from kvlens.analyzers.reconcile import reconcile
 from kvlens.analyzers.request_ledger import request_ledger
-from kvlens.analyzers.reuse import ReuseState, access_stream, reuse, reuse_continued
+from kvlens.analyzers.reuse import ReuseState, access_stream, reuse, reuse_continued, reuse_out_of_core
 from kvlens.analyzers.scans import Scans, ScanState
 from kvlens.analyzers.state_blob import Pending, ready
-from kvlens.analyzers.stream_summary import requests_curves
+from kvlens.analyzers.stream_summary import CurvesChain, requests_curves
 from kvlens.analyzers.tails import latency_tails
 from kvlens.analyzers.tiers import tier_payoff, tier_reconciliation
 from kvlens.analyzers.warmup import warmup, warmup_out_of_core
+from kvlens.errors import ConfigError
 from kvlens.models import ModelGeometry, group_bytes_per_token
 
 __all__ = [
@@ -47,6 +54,8 @@ __all__ = [
     "prefix_ranking", "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation",
     "ttl_coverage", "warmup",
 ]
+
+log = logging.getLogger(__name__)
 
 # SHARDS rows beside the exact curve; at 0.01 its error is stated in analyzers/mrc.py.
 SHARDS_RATE = 0.01
@@ -107,7 +116,8 @@ _PER_REQUEST = ("scenario", "replica", "arrival_ns", "prompt_tokens", "hit_token
 
 
 def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: ModelGeometry, *,
-                         work: Path, partitions: int, metrics_from: str | None = None
+                         work: Path, partitions: int, metrics_from: str | None = None,
+                         cache_tokens: int | None = None, skipped: list[str] | None = None
                          ) -> Iterator[tuple[str, pl.DataFrame]]:
     """The analyses after the ledger, out of core (``kvlens analyze --out-of-core``, issue 17): as
     ``analyze_scenario`` computes them, from the scenario's ``block_outcomes`` and
@@ -123,7 +133,12 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     and isolation, the outcomes and keys they cannot group in DuckDB alone; flows, the events, hits
     and transfers by block hash) spill
     to a directory of their own in ``work``, and start from ``partitions``, the ledger's count of
-    block-hash partitions.
+    block-hash partitions. The reuse distances and their curves read the `requests` stream once, in
+    time order in chunks, on one LRU stack (analyzers/reuse.py ``reuse_out_of_core``): O(distinct
+    blocks) in memory; ``reuse``'s rows, one per re-access, are written in pieces. A stream whose
+    full blocks have several sizes is not read out of core: then ``reuse``, ``mrc``,
+    ``ttl_coverage`` and ``capacity`` are not written, with a warning, and why goes to ``skipped``.
+    ``cache_tokens``: the ``capacity`` row, as for ``analyze_scenario``.
     """
 
     def spill(name: str) -> Path:
@@ -150,6 +165,28 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     per_request = scenario_rows(con, "request_ledger", scenario).select(*_PER_REQUEST).pl()
     yield "latency_tails", latency_tails(request_ledger=per_request)
     costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
+    chain = CurvesChain(rate=SHARDS_RATE, ttls_s=DEFAULT_TTLS_S)
+    try:
+        pieces = reuse_out_of_core(con, scenario, work=spill("reuse"), partitions=partitions,
+                                   bytes_per_token=per_token, on_chunk=chain.add)
+    except ConfigError as e:
+        log.warning("%s: reuse, mrc, ttl_coverage and capacity are not written", e)
+        if skipped is not None:
+            skipped.append(f"reuse, mrc, ttl_coverage and capacity not written: {e}")
+    else:
+        for piece in pieces:
+            yield "reuse", piece
+        curve = mrc_out_of_core(con, scenario, work=work, partitions=partitions, bytes_per_token=per_token,
+                                sample_rate=SHARDS_RATE, chain=chain)
+        yield "mrc", curve
+        yield "ttl_coverage", ttl_coverage_out_of_core(con, scenario, work=work, partitions=partitions,
+                                                       bytes_per_token=per_token, chain=chain)
+        if cache_tokens is not None:
+            ((block,),) = blocks.aggregate("max(block_size_tokens)").fetchall()
+            yield "capacity", effective_capacity(
+                mrc=curve, physical_bytes=cache_tokens * per_token, bytes_per_token=per_token,
+                scenario=scenario, metric_samples=samples, block_size_tokens=int(block or 16))
+    del chain
     yield "hygiene", hygiene_out_of_core(con, scenario, work=spill("hygiene"), partitions=partitions,
                                          bytes_per_token=per_token)
     yield "crossover", crossover(costs=costs, scenario=scenario)

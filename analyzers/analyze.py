@@ -90,14 +90,13 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     from kvlens.analyzers import LedgerPlan, analyze_scenario
 
     if out_of_core is not None:
-        given = [flag for flag, on in (("--join", join), ("--cache-tokens", cache_tokens),
-                                       ("--ray", partitions)) if on]
+        given = [flag for flag, on in (("--join", join), ("--ray", partitions)) if on]
         if given:
             raise ConfigError(f"{', '.join(given)} cannot go with --out-of-core: out of core computes the "
                               "ledger alone (block_outcomes, request_ledger, miss_ledger); drop "
                               f"{'them' if len(given) > 1 else 'it'}, or analyze without --out-of-core")
         return _out_of_core(lake, db, scenarios, model, progress, memory_limit, out_of_core,
-                            metrics_from=metrics_from)
+                            metrics_from=metrics_from, cache_tokens=cache_tokens)
 
     done: list[str] = []
     models: list[tuple[str, str, str]] = []
@@ -199,7 +198,8 @@ def _chosen(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], scenar
 
 def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scenarios: Sequence[str],
                  model: ModelGeometry | None, progress: Progress | None, memory_limit: int | None,
-                 plan: OutOfCore, *, metrics_from: str | None = None) -> AnalyzeResult:
+                 plan: OutOfCore, *, metrics_from: str | None = None,
+                 cache_tokens: int | None = None) -> AnalyzeResult:
     """``analyze_lake`` out of core: each scenario's ledger tables (analyzers/out_of_core.py) in a new
     DB, with DuckDB's memory bounded (``DUCKDB_MEMORY`` when no limit is given) and the spills in a
     directory beside ``db`` named as its temporary file is (a killed run's is removed by the next
@@ -221,6 +221,7 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
             for scenario in each:
                 geometry, source = scenario_model(con, scenario, model)
                 result = OutOfCoreResult()
+                skipped: list[str] = []
                 spill = final.with_name(tmp_name(final.name) + ".ooc")
                 try:
                     yield from ledger_out_of_core(
@@ -228,17 +229,19 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                         group_bytes_per_token=group_bytes_per_token(geometry), plan=plan, result=result,
                         say=_saying(each, scenario))
                     yield from analyze_after_ledger(con, scenario, geometry, work=spill / "after",
-                                                    partitions=result.partitions, metrics_from=metrics_from)
+                                                    partitions=result.partitions, metrics_from=metrics_from,
+                                                    cache_tokens=cache_tokens, skipped=skipped)
                 finally:
                     shutil.rmtree(spill, ignore_errors=True)
                 yield "scenarios", scenario_row(
                     con, scenario, geometry, requests=con.table("requests").filter(
                         duckdb.ColumnExpression("scenario") == duckdb.ConstantExpression(scenario)),
                     counted=result.requests, needed_blocks=result.needed_blocks, model_source=source)
-                log.info("scenario %s: full (%s)", scenario, result.said())
+                said = "; ".join([result.said(), *skipped])
+                log.info("scenario %s: full (%s)", scenario, said)
                 done.append(scenario)
                 models.append((scenario, geometry.name, source))
-                modes.append((scenario, "full", f"--out-of-core given; {result.said()}"))
+                modes.append((scenario, "full", f"--out-of-core given; {said}"))
 
     path = build_analysis_db(db, lake, compute, memory_limit=memory_limit)
     return AnalyzeResult(path, tuple(done), tuple(models), tuple(modes))

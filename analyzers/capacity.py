@@ -21,17 +21,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import duckdb
 import numba
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.reuse import AccessStream, access_stream
-from kvlens.analyzers.stream_summary import Curves, TtlRow, requests_curves
+from kvlens.analyzers.reuse import CHUNK_ROWS, AccessStream, access_stream
+from kvlens.analyzers.stream_summary import Curves, CurvesChain, TtlRow, curves_out_of_core, requests_curves
 from kvlens.errors import ConfigError, NoDataError
 
-__all__ = ["DEFAULT_TTLS_S", "effective_capacity", "ttl_coverage"]
+__all__ = ["DEFAULT_TTLS_S", "effective_capacity", "ttl_coverage", "ttl_coverage_out_of_core"]
 
 DEFAULT_TTLS_S = (1.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 14400.0, 86400.0)
 _USAGE_METRICS = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc", "sglang:token_usage")
@@ -250,3 +251,25 @@ def _counted_rows(curves: Curves, scenario: str, ttls: list[float]) -> pl.DataFr
             "ttl_hit_ratio_bytes": float(covered / total),
         })
     return pl.DataFrame(rows).sort("ttl_s")
+
+
+def ttl_coverage_out_of_core(con: duckdb.DuckDBPyConnection, scenario: str, *, work: Path, partitions: int,
+                             bytes_per_token: int, ttls_s: Sequence[float] = DEFAULT_TTLS_S,
+                             chain: CurvesChain | None = None, rows: int = CHUNK_ROWS) -> pl.DataFrame:
+    """Table `ttl_coverage`'s rows of ``scenario`` (``ttl_coverage``'s), read from the lake views on
+    ``con`` (``kvlens analyze --out-of-core``).
+
+    The figures are ``requests_curves``' integers (stream_summary.py ``CurvesChain``): the
+    re-accesses per distance from the stream read in order in chunks of about ``rows`` accesses on
+    one LRU stack, each TTL's covered re-accesses, byte-nanoseconds held, span and peak from each
+    access's gaps to its key's previous and next accesses, aggregated in DuckDB by time. The rows
+    are made by ``ttl_coverage``'s own code from them: they are its rows exactly. ``chain``: the
+    stream's figures when the caller summed them in its own read (``reuse_out_of_core``'s
+    ``on_chunk``), for ``ttls_s``. In memory: a chunk and the stack, O(rows + distinct blocks); in
+    DuckDB, one row per distinct arrival time. A stream of several block sizes is refused
+    (ConfigError). ``work`` and ``partitions`` are not used."""
+    del work, partitions
+    curves = (chain.done(con, scenario) if chain is not None else
+              curves_out_of_core(con, scenario, bytes_per_token=bytes_per_token, rate=None,
+                                 ttls_s=tuple(ttls_s), rows=rows))
+    return _counted_rows(curves, scenario, sorted(ttls_s))

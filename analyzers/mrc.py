@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import duckdb
 import numba
@@ -34,6 +35,7 @@ from kvlens.analyzers.partitions import Counted, Partitions, Runner, in_process,
 from kvlens.analyzers.reuse import (
     _SIZE,
     _SLOT,
+    CHUNK_ROWS,
     AccessStream,
     Distances,
     _factorize,
@@ -44,7 +46,13 @@ from kvlens.analyzers.reuse import (
     key_hashes,
     reuse_distances,
 )
-from kvlens.analyzers.stream_summary import Curves, requests_curves, sample_threshold
+from kvlens.analyzers.stream_summary import (
+    Curves,
+    CurvesChain,
+    curves_out_of_core,
+    requests_curves,
+    sample_threshold,
+)
 from kvlens.schema import MRC
 
 __all__ = [
@@ -53,6 +61,7 @@ __all__ = [
     "exact_histogram",
     "merge",
     "mrc",
+    "mrc_out_of_core",
     "partition_histogram",
     "partition_histograms",
     "shards_histogram",
@@ -375,12 +384,7 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
                                            else int(rs["block_tokens"].to_numpy().max()))
     block_bytes = max(1, full * bytes_per_token)
     if curves is not None:
-        if curves.rate != sample_rate:
-            raise ValueError(f"the curves were summed at sample rate {curves.rate}, not {sample_rate}")
-        parts = [_rows(counted_histogram(curves.exact, curves.size, curves.accesses), "exact", block_bytes)]
-        if sample_rate is not None and curves.sampled is not None:
-            parts.append(_rows(counted_shards(curves.sampled, curves.size, curves.accesses,
-                                              curves.sampled_accesses, sample_rate), "shards", block_bytes))
+        parts = _counted_parts(curves, sample_rate, block_bytes)
     else:
         parts = [_rows(_histogram(acc.distances, sizes), "exact", block_bytes)]
         if sample_rate is not None:
@@ -397,6 +401,21 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
         parts.append(pl.DataFrame({"method": "partitioned", "capacity_blocks": grid,
                                    "capacity_bytes": grid * block_bytes, "hit_ratio_blocks": hr,
                                    "hit_ratio_bytes": hrb}))
+    return _table(parts, scenario)
+
+
+def _counted_parts(curves: Curves, sample_rate: float | None, block_bytes: int) -> list[pl.DataFrame]:
+    """The exact rows (and the shards rows, with ``sample_rate``) from a stream's counts."""
+    if curves.rate != sample_rate:
+        raise ValueError(f"the curves were summed at sample rate {curves.rate}, not {sample_rate}")
+    parts = [_rows(counted_histogram(curves.exact, curves.size, curves.accesses), "exact", block_bytes)]
+    if sample_rate is not None and curves.sampled is not None:
+        parts.append(_rows(counted_shards(curves.sampled, curves.size, curves.accesses,
+                                          curves.sampled_accesses, sample_rate), "shards", block_bytes))
+    return parts
+
+
+def _table(parts: list[pl.DataFrame], scenario: str) -> pl.DataFrame:
     out = pl.concat(parts).with_columns(scenario=pl.lit(scenario), stream=pl.lit("requests"))
     return out.select(MRC.names).sort("method", "capacity_bytes")
 
@@ -404,3 +423,27 @@ def mrc(*, request_blocks: duckdb.DuckDBPyRelation, bytes_per_token: int, scenar
 def _block_size(request_blocks: duckdb.DuckDBPyRelation) -> int | None:
     rows = request_blocks.aggregate("mode(block_size_tokens) AS b").fetchall()
     return int(rows[0][0]) if rows and rows[0][0] else None
+
+
+def mrc_out_of_core(con: duckdb.DuckDBPyConnection, scenario: str, *, work: Path, partitions: int,
+                    bytes_per_token: int, sample_rate: float | None = None, chain: CurvesChain | None = None,
+                    rows: int = CHUNK_ROWS) -> pl.DataFrame:
+    """Table `mrc`'s rows of ``scenario`` (``mrc``'s without ``partitions``: exact, and shards with
+    ``sample_rate``), read from the lake views on ``con`` (``kvlens analyze --out-of-core``).
+
+    The `requests` stream is read in order in chunks of about ``rows`` accesses on one LRU stack
+    (reuse.py ``requests_read``); its counts per distance, and its SHARDS sample's, are summed as
+    ``mrc`` sums them (stream_summary.py ``CurvesChain``), and the rows are made by ``mrc``'s own
+    code: they are its rows exactly. ``chain``: the stream's figures when the caller summed them
+    in its own read (``reuse_out_of_core``'s ``on_chunk``: one read for reuse, mrc and
+    ttl_coverage), at ``sample_rate``. In memory: a chunk, the stack (O(rows + distinct blocks)),
+    the counts and the sample's keys (about ``sample_rate`` of the accesses). A stream of several
+    block sizes is refused (ConfigError). ``work`` and ``partitions`` are not used."""
+    del work, partitions
+    curves = (chain.done(con, scenario) if chain is not None else
+              curves_out_of_core(con, scenario, bytes_per_token=bytes_per_token, rate=sample_rate, ttls_s=(),
+                                 rows=rows))
+    blocks = con.table("request_blocks").filter(duckdb.ColumnExpression("scenario")
+                                                == duckdb.ConstantExpression(scenario))
+    block_bytes = max(1, (_block_size(blocks) or curves.tokens) * bytes_per_token)
+    return _table(_counted_parts(curves, sample_rate, block_bytes), scenario)

@@ -156,8 +156,7 @@ class OutOfCoreResult:
 
     def said(self) -> str:
         return (f"ledger out of core in {self.partitions} block-hash partitions and {self.ranges} "
-                f"ranges of requests, spilling {self.spill_bytes / 2**20:,.0f} MiB to disk; the other "
-                "analyses are not computed out of core")
+                f"ranges of requests, spilling {self.spill_bytes / 2**20:,.0f} MiB to disk")
 
 
 def _literal(text: str) -> str:

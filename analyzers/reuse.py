@@ -31,8 +31,10 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import duckdb
@@ -42,11 +44,12 @@ import polars as pl
 
 from kvlens.analyzers.hashmap import mix64 as _mix64
 from kvlens.analyzers.state_blob import pack, still_counted, unpack
-from kvlens.errors import NoDataError
+from kvlens.errors import ConfigError, NoDataError
 from kvlens.schema import REUSE
 
-__all__ = ["REUSE_STATE_TABLE", "AccessStream", "Distances", "ReuseState", "Reused", "access_stream", "reuse",
-           "reuse_continued", "reuse_distances"]
+__all__ = ["REUSE_STATE_TABLE", "AccessStream", "Distances", "ReuseState", "Reused", "StreamChunk",
+           "StreamStack", "access_stream", "requests_read", "reuse", "reuse_continued", "reuse_distances",
+           "reuse_out_of_core"]
 
 log = logging.getLogger(__name__)
 
@@ -301,9 +304,18 @@ def _uniform_kernel(ids: np.ndarray, tree: np.ndarray, slot_key: np.ndarray, slo
         parent = j + ((j + 1) & -(j + 1))
         if parent < t:
             tree[parent] += tree[j]
-    live = head
-    nxt = head
-    for i in range(head, ids.shape[0]):
+    _uniform_steps(ids, tree, slot_key, slot_of, last_i, d_blocks, prev, head, 0, head, head)
+
+
+@numba.njit(cache=True)
+def _uniform_steps(ids: np.ndarray, tree: np.ndarray, slot_key: np.ndarray, slot_of: np.ndarray,
+                   last_i: np.ndarray, d_blocks: np.ndarray, prev: np.ndarray, start: int, offset: int,
+                   live: int, nxt: int) -> tuple[int, int]:
+    """``_uniform_kernel``'s accesses ``ids[start:]`` on its stack (``live`` keys on it, ``nxt``
+    its next free slot), access ``i`` counted as the stream's ``offset + i`` (in ``last_i`` and
+    ``prev``); the stack's (live, nxt) after them, so that a stream read in chunks goes on."""
+    t = tree.shape[0]
+    for i in range(start, ids.shape[0]):
         k = ids[i]
         p = slot_of[k]
         if p >= 0:
@@ -341,10 +353,11 @@ def _uniform_kernel(ids: np.ndarray, tree: np.ndarray, slot_key: np.ndarray, slo
             tree[j - 1] += 1
             j += j & -j
         slot_of[k] = nxt
-        last_i[k] = i
+        last_i[k] = offset + i
         slot_key[nxt] = k
         live += 1
         nxt += 1
+    return live, nxt
 
 
 def _uniform_distances(ids: np.ndarray, size: int, n_keys: int,
@@ -499,19 +512,27 @@ def _resumed(name: str, prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.
     prior replayed as one access per key, in that order, leaves the stack the whole history left,
     so every later access gets the distance (blocks and bytes) and interval it gets in a replay of
     the whole stream. The prior's own accesses are first accesses here and give no row."""
-    m = 0 if prior is None else prior.height
-    if m:
-        assert prior is not None
-        keys = np.concatenate([prior["block_hash"].to_numpy(), keys])
-        sizes = np.concatenate([prior["size"].to_numpy(), sizes])
-        ts = pl.concat([prior["ts_ns"].cast(pl.Int64), ts.cast(pl.Int64)])
-    d = reuse_distances(keys, sizes, distinct_head=m)
+    keys, sizes, ts, d, m = _replayed(prior, keys, sizes, ts)
     rows = _rows_at(name, keys, ts, d, _reaccesses(d, m))
     if cut_ns is None:
         return rows, None
     # in stream order, so the accesses before the cut come first (unstamped ones sort last)
     settled = m + int((ts.slice(m) < cut_ns).sum())
     return rows, _last_accesses(keys, sizes, ts, d.prev, settled)
+
+
+def _replayed(prior: pl.DataFrame | None, keys: np.ndarray, sizes: np.ndarray, ts: pl.Series
+              ) -> tuple[np.ndarray, np.ndarray, pl.Series, Distances, int]:
+    """The stack ``prior`` (block_hash, size, ts_ns; None: none) replayed before the accesses
+    (``keys``, ``sizes``, ``ts``): their keys, sizes and times after it, the distances of them all,
+    and how many the stack put first."""
+    m = 0 if prior is None else prior.height
+    if m:
+        assert prior is not None
+        keys = np.concatenate([prior["block_hash"].to_numpy(), keys])
+        sizes = np.concatenate([prior["size"].to_numpy(), sizes])
+        ts = pl.concat([prior["ts_ns"].cast(pl.Int64), ts.cast(pl.Int64)])
+    return keys, sizes, ts, reuse_distances(keys, sizes, distinct_head=m), m
 
 
 def _last_accesses(keys: np.ndarray, sizes: np.ndarray, ts: pl.Series, prev: np.ndarray,
@@ -958,3 +979,284 @@ def _continue(resume: ReuseState, kv_events: duckdb.DuckDBPyRelation | None, byt
         raise _CannotContinue(f"{resume.kept_rows + rows:,} rows would pass {MAX_REUSE_ROWS:,}")
     state = _state(resume, acc, ev, fill, stacks, roots, bytes_per_token, cut_ns)
     return Reused(_sorted(parts, scenario), state, t, None, acc)
+
+
+# -- out of core (issue 17) -------------------------------------------------------------------------
+
+# Accesses of one stream read into memory at once out of core: this many, or a quarter of the
+# replica and event streams' stacks replayed before each chunk when that is more (a replay costs
+# its length: so it costs at most 4 times the chunk's own accesses).
+CHUNK_ROWS = 2_000_000
+_REPLAYS = 4  # a chunk is at least 1/_REPLAYS of the stacks replayed before it
+_BATCH_ROWS = 262_144  # rows per Arrow batch fetched from DuckDB
+_NO_TIME = 2**63 - 1  # the cut before the accesses without a time (they sort last)
+_NEVER = -(2**63)  # StreamStack: a key's last time before its first access
+
+# request_stream's rows and order, with each request's replica (out of core refuses repeated ids)
+# and each block's number (table {ids})
+_REQUESTS_SQL = f"""
+SELECT b.arrival_ns AS ts_ns, b.position, b.block_hash, b.block_tokens, r.replica, k.id
+FROM request_blocks b JOIN {{ids}} k ON b.block_hash = k.block_hash
+LEFT JOIN (SELECT request_id, any_value(replica) AS replica FROM requests WHERE scenario = $1
+           GROUP BY request_id) r ON b.request_id = r.request_id
+WHERE b.scenario = $1 AND ({_FULL_BLOCK})
+ORDER BY b.arrival_ns, b.request_id, b.position
+"""
+# _stored_events' rows and order
+_EVENTS_SQL = f"""
+SELECT * FROM (
+    SELECT ts_ns, seq, replica, CAST(medium AS VARCHAR) AS medium, block_hash, block_tokens, position
+    FROM kv_events WHERE scenario = $1 AND {_STORED})
+ORDER BY {_EVENT_ORDER}
+"""
+
+
+def _cut_at(ts: pl.Series, target: int) -> int | None:
+    """Where to cut ``ts`` (in order): the last place at most ``target`` where the time changes,
+    else the first one after it; None when it never changes."""
+    n = ts.len()
+    change = np.flatnonzero(ts.slice(1).ne_missing(ts.slice(0, n - 1)).to_numpy()) + 1
+    if change.size == 0:
+        return None
+    below = change[change <= target]
+    return int(below[-1]) if below.size else int(change[0])
+
+
+def _in_chunks(reader: Any, rows: Callable[[], int]) -> Iterator[tuple[pl.DataFrame, int | None]]:
+    """The rows of ``reader`` (Arrow batches in ts_ns order) in frames of about ``rows()`` each,
+    cut only where the time changes (so no time is in two frames), each with the first time after
+    it: the cut (``_NO_TIME`` before the unstamped ones; None after the last frame)."""
+    held: list[pl.DataFrame] = []
+    count = 0
+    for batch in reader:
+        got = pl.from_arrow(batch)
+        assert isinstance(got, pl.DataFrame)
+        held.append(got)
+        count += got.height
+        while count > rows():
+            frame = pl.concat(held)
+            at = _cut_at(frame["ts_ns"], rows())
+            held, count = [frame], frame.height
+            if at is None:
+                break
+            cut = frame["ts_ns"][at]
+            yield frame.slice(0, at), _NO_TIME if cut is None else int(cut)
+            held, count = [frame.slice(at)], frame.height - at
+    if count:
+        yield pl.concat(held), None
+
+
+@numba.njit(cache=True)
+def _intervals(ids: np.ndarray, ts: np.ndarray, last_ts: np.ndarray, out: np.ndarray) -> None:
+    """Each re-access's interval (``out``; a first access: its key's ``last_ts`` is ``_NEVER``), the
+    keys' last times moved on: accesses in stream order."""
+    for i in range(ids.shape[0]):
+        k = ids[i]
+        if last_ts[k] != _NEVER:
+            out[i] = ts[i] - last_ts[k]
+        last_ts[k] = ts[i]
+
+
+class StreamStack:
+    """The LRU stack of a stream of one-size accesses whose keys are dense ids 0..``keys``-1, kept
+    from one chunk of the stream to the next: ``_uniform_kernel``'s arrays and each key's last
+    time, O(keys) (36 bytes a key), whatever the stream's length."""
+
+    def __init__(self, keys: int) -> None:
+        t = max(2 * keys, 64)
+        self.tree, self.slot_key = np.zeros(t, np.int32), np.full(t, -1, np.int32)
+        self.slot_of, self.last_i = np.full(keys, -1, np.int32), np.zeros(keys, np.int64)
+        self.last_ts = np.full(keys, _NEVER, np.int64)
+        self.live = self.nxt = self.seen = 0
+
+    def push(self, ids: np.ndarray, ts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The next accesses (key ids, int64 times, in stream order): their distances in blocks and
+        their intervals (-1 for a first access), those a replay of the whole stream gives."""
+        n = ids.shape[0]
+        blocks, prev, interval = np.full(n, -1, np.int64), np.full(n, -1, np.int64), np.full(n, -1, np.int64)
+        self.live, self.nxt = _uniform_steps(ids, self.tree, self.slot_key, self.slot_of, self.last_i, blocks,
+                                             prev, 0, self.seen, self.live, self.nxt)
+        _intervals(ids, ts, self.last_ts, interval)
+        self.seen += n
+        return blocks, interval
+
+
+@dataclass(frozen=True)
+class StreamChunk:
+    """A chunk of the `requests` stream read in order (``requests_read``)."""
+
+    frame: pl.DataFrame  # request_stream's columns
+    blocks: np.ndarray  # int64: each access's distance in blocks (-1: a first access)
+    interval: np.ndarray  # int64: its interval (-1: a first access)
+    size: int  # every access's bytes
+    cut: int | None  # the next chunk's first time (None: the last chunk)
+
+
+def requests_read(con: duckdb.DuckDBPyConnection, scenario: str, bytes_per_token: int, *,
+                  rows: int = CHUNK_ROWS, replayed: Callable[[], int] = lambda: 0) -> Iterator[StreamChunk]:
+    """``scenario``'s `requests` stream (``request_stream``'s rows and order) read from the lake
+    views on ``con`` in order, in chunks of about ``rows`` accesses cut where the time changes,
+    with their distances and intervals from one ``StreamStack`` (the keys are numbered by DuckDB,
+    in a temporary table dropped at the end). In memory: a chunk and the stack, O(rows + distinct
+    blocks). ``replayed``: rows of other stacks the caller replays per chunk (a chunk is at least
+    1/_REPLAYS of them). NoDataError when the stream is empty; ConfigError when its accesses have
+    several sizes or one has no time (not built out of core)."""
+    full = f"scenario = $1 AND ({_FULL_BLOCK})"
+    ids = f"kvlens_reuse_ids_{uuid.uuid4().hex}"
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {ids} AS SELECT block_hash, "
+                "CAST(row_number() OVER () - 1 AS BIGINT) AS id FROM "
+                f"(SELECT block_hash FROM request_blocks WHERE {full} GROUP BY block_hash)", [scenario])
+    try:
+        ((keys,),) = con.execute(f"SELECT count(*) FROM {ids}").fetchall()
+        ((low, high, unstamped),) = con.execute(
+            f"SELECT min(block_tokens), max(block_tokens), count(*) FILTER (WHERE arrival_ns IS NULL) "
+            f"FROM request_blocks WHERE {full}", [scenario]).fetchall()
+        if not keys:
+            raise _no_stream(scenario)
+        if low != high or unstamped:
+            raise ConfigError(f"scenario {scenario}: out of core, the `requests` stream needs every full "
+                              "block of one size and an arrival time (not built for others yet)")
+        size = int(low) * bytes_per_token
+        stack = StreamStack(int(keys))
+        target = [rows]
+        reader = con.sql(_REQUESTS_SQL.format(ids=ids), params=[scenario]).to_arrow_reader(_BATCH_ROWS)
+        for frame, cut in _in_chunks(reader, lambda: target[0]):
+            blocks, interval = stack.push(frame["id"].to_numpy(), frame["ts_ns"].to_numpy())
+            yield StreamChunk(frame.drop("id"), blocks, interval, size, cut)
+            target[0] = max(rows, replayed() // _REPLAYS)
+    finally:
+        con.execute(f"DROP TABLE IF EXISTS {ids}")
+
+
+class _Written:
+    """Rows of table `reuse` written to Parquet files in ``folder``, counted."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True)
+        self.folder, self.rows, self.files = folder, 0, 0
+
+    def add(self, rows: pl.DataFrame) -> None:
+        if rows.height:
+            rows.write_parquet(self.folder / f"{self.files:06d}.parquet")
+            self.files += 1
+            self.rows += rows.height
+
+
+def _chained(named: Iterable[tuple[str, pl.DataFrame]], stacks: dict[str, pl.DataFrame], cut: int | None,
+             bytes_per_token: int, out: _Written) -> None:
+    """One chunk of streams (name, accesses in stream order): each continued from its stack in
+    ``stacks`` (``_resumed``), its rows written to ``out``, its stack before ``cut`` kept."""
+    for name, f in named:
+        sizes = f["block_tokens"].to_numpy().astype(np.int64) * bytes_per_token
+        rows, stack = _resumed(name, stacks.get(name), f["block_hash"].to_numpy(), sizes, f["ts_ns"], cut)
+        out.add(rows)
+        if stack is not None:
+            stacks[name] = stack
+
+
+def reuse_out_of_core(con: duckdb.DuckDBPyConnection, scenario: str, *, work: Path, partitions: int,
+                      bytes_per_token: int,
+                      on_chunk: Callable[[StreamChunk], None] | None = None,
+                      rows: int = CHUNK_ROWS) -> Iterator[pl.DataFrame]:
+    """Table `reuse`'s rows of ``scenario`` (``reuse``'s, row for row), read from the lake views on
+    ``con`` (``kvlens analyze --out-of-core``), as frames of at most about ``rows`` rows: the table
+    holds a row per re-access, O(accesses), so it is given in pieces. They come in ``reuse``'s
+    order (stream, ts_ns, block_hash).
+
+    Every stream is read in order in chunks: the `requests` stream on one ``StreamStack``
+    (``requests_read``), each replica's and the stored events' streams continued from their LRU
+    stacks before each chunk (``_resumed``), so every distance, byte count and interval is a replay
+    of the whole stream's; each chunk's rows go to Parquet files in ``work``, read back when the
+    frames are asked for (``work`` must stay until then). In memory: one chunk, the `requests`
+    stream's stack (``StreamStack``: 36 bytes per distinct block), and, when the table may hold the
+    other streams, their stacks (each key once per stream). When the `requests` stream alone
+    has more than MAX_REUSE_ROWS re-accesses (counted first, in DuckDB) only it is read, as
+    ``reuse`` keeps only it then; the other streams are read only when the table may hold them,
+    and dropped, as there, when all together pass it. Group rows are the `requests` rows of the
+    chain roots, selected in DuckDB. ``on_chunk``: called with each chunk of the `requests` stream
+    (stream_summary.py's ``CurvesChain.add`` sums mrc's and ttl_coverage's figures in the same read).
+    ``partitions`` is not used: a stream is read in time order, not by block hash."""
+    del partitions
+    out = work / "reuse"
+    requests_out, other_out = _Written(out / "requests"), _Written(out / "other")
+    full = f"scenario = ? AND ({_FULL_BLOCK})"
+    ((accesses, distinct),) = con.execute(
+        f"SELECT count(*), (SELECT count(*) FROM (SELECT block_hash FROM request_blocks WHERE {full} "
+        f"GROUP BY block_hash)) FROM request_blocks WHERE {full}", [scenario, scenario]).fetchall()
+    every = accesses - distinct <= MAX_REUSE_ROWS  # else only the `requests` stream is kept
+    replicas: dict[str, pl.DataFrame] = {}
+    for chunk in requests_read(con, scenario, bytes_per_token, rows=rows,
+                               replayed=lambda: sum(s.height for s in replicas.values())):
+        if on_chunk is not None:
+            on_chunk(chunk)
+        re = chunk.blocks >= 0
+        requests_out.add(pl.DataFrame({
+            "stream": pl.Series([], dtype=pl.String).extend_constant("requests", int(re.sum())),
+            "block_hash": chunk.frame["block_hash"].filter(re).cast(pl.UInt64),
+            "ts_ns": chunk.frame["ts_ns"].filter(re).cast(pl.Int64),
+            "distance_blocks": chunk.blocks[re], "distance_bytes": chunk.blocks[re] * chunk.size,
+            "interval_ns": chunk.interval[re]}).sort("ts_ns", "block_hash"))
+        if every:
+            tail = chunk.frame.filter(pl.col("replica").is_not_null())
+            _chained(((f"replica:{name}", f) for (name,), f in tail.group_by("replica", maintain_order=True)),
+                     replicas, chunk.cut, bytes_per_token, other_out)
+    replicas.clear()  # (their stacks)
+    if every:
+        roots = con.sql(f"SELECT DISTINCT block_hash FROM request_blocks WHERE {full} AND position = 0",
+                        params=[scenario])
+        roots.write_parquet(str(out / "roots.parquet"))
+        ((grouped,),) = con.execute(
+            f"SELECT count(*) FROM read_parquet('{out / 'requests'}/*.parquet') q SEMI JOIN "
+            f"read_parquet('{out / 'roots.parquet'}') r ON q.block_hash = r.block_hash").fetchall() \
+            if requests_out.files else [(0,)]
+        counts = con.sql("SELECT CAST(block_tokens AS BIGINT) AS block_tokens, count(*) AS count "
+                         f"FROM kv_events WHERE scenario = ? AND {_STORED} AND block_tokens IS NOT NULL "
+                         "GROUP BY ALL",
+                         params=[scenario]).pl()
+        fill = _fill_tokens(counts.cast({"count": pl.Int64}))
+        stacks: dict[str, pl.DataFrame] = {}
+        target = [rows]  # at least 1/_REPLAYS of the stacks replayed before it
+        reader = con.sql(_EVENTS_SQL, params=[scenario]).to_arrow_reader(_BATCH_ROWS)
+        for ev, cut in _in_chunks(reader, lambda: target[0]):
+            ev = ev.with_columns(pl.col("block_tokens").fill_null(fill))
+            per_tier = ev.group_by("replica", "medium", maintain_order=True)
+            named = [("fleet", ev), *((f"replica:{rep}/{med}", f) for (rep, med), f in per_tier)]
+            _chained(named, stacks, cut, bytes_per_token, other_out)
+            target[0] = max(rows, sum(s.height for s in stacks.values()) // _REPLAYS)
+            if requests_out.rows + grouped + other_out.rows > MAX_REUSE_ROWS:
+                break  # the table keeps only the `requests` stream: no need to read on
+        every = requests_out.rows + grouped + other_out.rows <= MAX_REUSE_ROWS
+    if not every:
+        log.warning("reuse: more than %d rows; keeping only the requests stream", MAX_REUSE_ROWS)
+    ((memory,),) = con.execute("SELECT current_setting('memory_limit')").fetchall()
+    return _read_back(out, scenario, str(memory), rows, every=every, others=other_out.files > 0)
+
+
+def _read_back(out: Path, scenario: str, memory: str, rows: int, *, every: bool,
+               others: bool) -> Iterator[pl.DataFrame]:
+    """The rows ``reuse_out_of_core`` wrote under ``out``, in frames of about ``rows``, in table
+    order: the streams before `requests` (with ``every``: replicas, events, groups), sorted by
+    DuckDB (at most MAX_REUSE_ROWS rows), then the `requests` files, each sorted and in time order
+    (chunks are cut where the time changes, so they are sorted as a whole)."""
+    files = sorted((out / "requests").glob("*.parquet"))
+    if every and files:
+        con = duckdb.connect()
+        try:
+            con.execute(f"SET memory_limit = '{memory}'")
+            con.execute(f"SET temp_directory = '{out / 'spill'}'")
+            requests = f"read_parquet('{out / 'requests'}/*.parquet')"
+            union = (f"SELECT * FROM read_parquet('{out / 'other'}/*.parquet') UNION ALL BY NAME "
+                     if others else "")
+            reader = con.sql(
+                f"SELECT * FROM ({union}SELECT 'group:' || CAST(q.block_hash AS VARCHAR) AS stream, "
+                f"q.* EXCLUDE (stream) FROM {requests} q SEMI JOIN read_parquet('{out / 'roots.parquet'}') r "
+                "ON q.block_hash = r.block_hash) ORDER BY stream, ts_ns NULLS FIRST, block_hash"
+            ).to_arrow_reader(rows)
+            for batch in reader:
+                got = pl.from_arrow(batch)
+                assert isinstance(got, pl.DataFrame)
+                yield got.with_columns(scenario=pl.lit(scenario)).select(REUSE.names)
+        finally:
+            con.close()
+    for file in files:
+        yield pl.read_parquet(file).with_columns(scenario=pl.lit(scenario)).select(REUSE.names)

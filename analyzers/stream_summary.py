@@ -31,16 +31,29 @@ and keeps no summary (its next analysis reads it whole again).
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import duckdb
 import numba
 import numpy as np
 import polars as pl
 
-from kvlens.analyzers.reuse import AccessStream, Summary, _last_accesses, key_hashes, reuse_distances
+from kvlens.analyzers.reuse import (
+    _FULL_BLOCK,
+    CHUNK_ROWS,
+    AccessStream,
+    StreamChunk,
+    Summary,
+    _last_accesses,
+    key_hashes,
+    requests_read,
+    reuse_distances,
+)
 
-__all__ = ["Curves", "TtlRow", "exact_sum", "requests_curves", "sample_threshold"]
+__all__ = ["Curves", "CurvesChain", "TtlRow", "curves_out_of_core", "exact_sum", "requests_curves",
+           "sample_threshold"]
 
 _TWO64 = 2.0**64
 _NONE = -(2**62)  # no residency end or peak yet (as capacity.py's per-record code starts them)
@@ -278,3 +291,108 @@ def _bytes(blocks: int, size: int) -> int:
 
 def _ttls_ns(ttls_s: Any) -> tuple[int, ...]:
     return tuple(int(ttl * 1_000_000_000) for ttl in sorted(ttls_s))
+
+
+class CurvesChain:
+    """mrc's and ttl_coverage's figures of the `requests` stream (``Curves``) out of core, from its
+    chunks read in order (``reuse.requests_read``; ``add`` is ``reuse_out_of_core``'s
+    ``on_chunk``) and, for the TTLs, from DuckDB. Exact: the same integer counts and sums as
+    ``requests_curves`` (so ``mrc`` and ``ttl_coverage`` make the same rows from them):
+
+    - the exact re-accesses per distance, summed over the chunks (the distances are a replay of
+      the whole stream's: ``reuse.StreamStack``);
+    - the SHARDS sample: its accesses' keys are kept (a key is in it by its hash alone, so they are
+      the sample's stream, about ``rate`` of the accesses), and its distances computed at the end;
+    - per TTL (``_ttl_rows``): each access's gap to its key's next one, from a window in DuckDB.
+
+    In memory: the counts per distance (O(the largest distance)) and the sample's keys."""
+
+    def __init__(self, *, rate: float | None, ttls_s: tuple[float, ...]) -> None:
+        self.rate, self.ttls_s = rate, ttls_s
+        self._below = sample_threshold(rate) if rate is not None else None
+        self._exact = np.zeros(0, np.int64)
+        self._sample: list[np.ndarray] = []
+        self._accesses, self._tokens, self._size = 0, 0, 0
+        self._curves: Curves | None = None
+
+    def add(self, chunk: StreamChunk) -> None:
+        """The next chunk of the stream."""
+        if not self._accesses:
+            self._tokens, self._size = int(chunk.frame["block_tokens"][0]), chunk.size
+        self._accesses += chunk.frame.height
+        self._exact = _added(self._exact, _counts(chunk.blocks[chunk.blocks >= 0]))
+        if self.rate is not None:
+            keys = chunk.frame["block_hash"].to_numpy()
+            picked = keys if self._below is None else keys[key_hashes(keys, np.uint64(0)) < self._below]
+            self._sample.append(picked)
+
+    def done(self, con: duckdb.DuckDBPyConnection, scenario: str) -> Curves:
+        """The whole stream's figures, once every chunk is added (the TTLs' read from ``con``'s lake
+        views)."""
+        if self._curves is None:
+            if not self._accesses:
+                raise ValueError("no chunk of the stream was added")
+            sampled, sampled_accesses = None, 0
+            if self.rate is not None:
+                keys = np.concatenate(self._sample)
+                ds = reuse_distances(keys, self._size)
+                sampled, sampled_accesses = _counts(ds.blocks[ds.prev >= 0]), int(keys.shape[0])
+            ttl = _ttl_rows(con, scenario, _ttls_ns(self.ttls_s), self._size) if self.ttls_s else ()
+            self._curves = Curves(self._tokens, self._size, self._accesses, self._exact, sampled,
+                                  sampled_accesses, self.rate, ttl)
+        return self._curves
+
+
+def _ttl_rows(con: duckdb.DuckDBPyConnection, scenario: str, ttls_ns: tuple[int, ...],
+              size: int) -> tuple[TtlRow, ...]:
+    """``_ttl_kernel``'s figures of the whole `requests` stream (accesses of ``size`` bytes), per
+    TTL, computed in DuckDB (which spills), exact integers. Each access's gap ``g`` to its key's
+    next access (window by key, in time order: accesses of one time are interchangeable here)
+    decides its residency: renewed when ``g <= TTL`` (it holds ``g``), else it stops at
+    ``min(ts + TTL, cap)``, ``cap`` the last time + 1. The peak: blocks held just after an access
+    are the runs of renewed residencies begun by then (an access not renewing one: ``p``, the gap
+    from its key's previous access, NULL or over the TTL) less those ended by then (stops first at
+    a tie), at the accesses' times: one row per time, so O(requests) rows in DuckDB."""
+    full = f"scenario = ? AND ({_FULL_BLOCK})"
+    ((first, last),) = con.execute(
+        f"SELECT min(arrival_ns), max(arrival_ns) FROM request_blocks WHERE {full}", [scenario]).fetchall()
+    cap = int(last) + 1
+    per = []
+    for q, ttl in enumerate(ttls_ns):
+        per.append(f"count(*) FILTER (WHERE p IS NULL OR p > {ttl}) AS f{q}, "
+                   f"count(*) FILTER (WHERE g IS NULL OR g > {ttl}) AS e{q}, "
+                   f"count(*) FILTER (WHERE g <= {ttl}) AS c{q}, "
+                   f"sum(CASE WHEN g <= {ttl} THEN g ELSE least({ttl}, {cap} - ts) END) AS h{q}, "
+                   f"max(CASE WHEN g <= {ttl} THEN ts + g ELSE least(ts + {ttl}, {cap}) END) AS s{q}")
+    table = f"kvlens_ttl_{uuid.uuid4().hex}"
+    con.execute(
+        f"CREATE OR REPLACE TEMP TABLE {table} AS SELECT ts, {', '.join(per)} FROM ("
+        "SELECT arrival_ns AS ts, lead(arrival_ns) OVER w - arrival_ns AS g, "
+        f"arrival_ns - lag(arrival_ns) OVER w AS p FROM request_blocks WHERE {full} "
+        "WINDOW w AS (PARTITION BY block_hash ORDER BY arrival_ns)) GROUP BY ts",
+        [scenario])
+    try:
+        rows = []
+        for q, ttl in enumerate(ttls_ns):
+            ((covered, held, end),) = con.execute(
+                f"SELECT sum(c{q}), sum(h{q}), max(s{q}) FROM {table}").fetchall()
+            ((peak,),) = con.execute(
+                f"SELECT max(h) FROM (SELECT t, bool_or(a) AS a, sum(sum(d)) OVER (ORDER BY t) AS h FROM ("
+                f"SELECT ts AS t, f{q} AS d, true AS a FROM {table} UNION ALL "
+                f"SELECT least(ts + {ttl}, {cap}) AS t, -e{q} AS d, false AS a FROM {table} WHERE e{q} > 0) "
+                "GROUP BY t) WHERE a").fetchall()
+            rows.append(TtlRow(ttl, int(covered), size * int(held), max(1, int(end) - int(first)),
+                               _bytes(int(peak), size)))
+        return tuple(rows)
+    finally:
+        con.execute(f"DROP TABLE IF EXISTS {table}")
+
+
+def curves_out_of_core(con: duckdb.DuckDBPyConnection, scenario: str, *, bytes_per_token: int,
+                       rate: float | None, ttls_s: tuple[float, ...], rows: int = CHUNK_ROWS) -> Curves:
+    """``scenario``'s `requests` stream read from the lake views on ``con`` in chunks of about
+    ``rows`` accesses, its figures summed (``CurvesChain``): O(rows + distinct blocks) in memory."""
+    chain = CurvesChain(rate=rate, ttls_s=ttls_s)
+    for chunk in requests_read(con, scenario, bytes_per_token, rows=rows):
+        chain.add(chunk)
+    return chain.done(con, scenario)

@@ -25,11 +25,11 @@ from kvlens.lake import create_enum_types, open_lake, write_scenario
 from kvlens.schema import TABLES
 
 DATA = Path(__file__).parent / "data"
-# The analyses after the ledger out of core writes (analyzers.analyze_after_ledger), and those it
-# does not compute yet (their tables stay empty).
+# The analyses after the ledger out of core writes (analyzers.analyze_after_ledger; capacity too,
+# with --cache-tokens).
 AFTER_LEDGER = ("fanout", "tier_payoff", "tier_reconciliation", "latency_tails", "crossover",
-                "reconciliation", "prefix_ranking", "hygiene", "warmup", "isolation_findings", "flows")
-NOT_OUT_OF_CORE = ("reuse", "mrc", "ttl_coverage")
+                "reconciliation", "prefix_ranking", "hygiene", "warmup", "isolation_findings", "flows",
+                "reuse", "mrc", "ttl_coverage")
 # Floats that are not bit-equal out of core, and why: warmup's saved_ms sums a float per request in
 # another order (polars' chunks cannot be reproduced), so its last bits may differ.
 REL = {"warmup": 1e-12}

@@ -19,7 +19,7 @@ from kvlens.lake import SegmentWriter, open_lake
 REQUIRED = {"fanout": True, "tier_payoff": True, "tier_reconciliation": False, "latency_tails": True,
             "crossover": False, "reconciliation": False, "prefix_ranking": False,
             "hygiene": False, "warmup": True, "isolation_findings": False,
-            "flows": True}
+            "flows": True, "reuse": True, "mrc": True, "ttl_coverage": True}
 
 
 @pytest.mark.parametrize(("name", "scenarios"), [
@@ -68,9 +68,11 @@ def test_the_analyses_after_the_ledger_on_a_generated_fleet(tmp_path: Path, metr
                                                     interval_ns=100_000_000), chunk_requests=150)
     _scrape(lake, metrics_from)
     memory = tmp_path / "memory.duckdb"
-    analyze_lake(lake, memory, ["scale"], full=True, metrics_from=metrics_from)
-    analyze_lake(lake, tmp_path / "ooc.duckdb", ["scale"], metrics_from=metrics_from,
+    cache = 4 * 700 * 16  # the fleet's caches, in tokens: the capacity row
+    analyze_lake(lake, memory, ["scale"], full=True, metrics_from=metrics_from, cache_tokens=cache)
+    analyze_lake(lake, tmp_path / "ooc.duckdb", ["scale"], metrics_from=metrics_from, cache_tokens=cache,
                  out_of_core=OutOfCore(partitions=5, rows_per_range=5_000))
-    counts = same_tables(tmp_path / "ooc.duckdb", memory)
+    counts = same_tables(tmp_path / "ooc.duckdb", memory, (*AFTER_LEDGER, "capacity"))
+    assert counts["capacity"] == 1
     assert counts["fanout"] == 2 and counts["latency_tails"] > 40 and counts["tier_payoff"] >= 4
     assert counts["reconciliation"] >= 4 and counts["tier_reconciliation"] >= 4
