@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
@@ -224,13 +225,20 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                 skipped: list[str] = []
                 spill = final.with_name(tmp_name(final.name) + ".ooc")
                 try:
+                    say = _saying(each, scenario)
                     yield from ledger_out_of_core(
                         con, lake, scenario, spill, bytes_per_token=geometry.kv_bytes_per_token(),
                         group_bytes_per_token=group_bytes_per_token(geometry), plan=plan, result=result,
-                        say=_saying(each, scenario))
-                    yield from analyze_after_ledger(con, scenario, geometry, work=spill / "after",
-                                                    partitions=result.partitions, metrics_from=metrics_from,
-                                                    cache_tokens=cache_tokens, skipped=skipped)
+                        say=say)
+                    t = time.perf_counter()
+                    for name, frame in analyze_after_ledger(
+                            con, scenario, geometry, work=spill / "after", partitions=result.partitions,
+                            metrics_from=metrics_from, cache_tokens=cache_tokens, skipped=skipped):
+                        t = result.timed(name, t)
+                        yield name, frame
+                        t = result.timed("writing the rows", t)
+                        say(f"{name} written")
+                    log.info("scenario %s out of core, seconds per step: %s", scenario, result.steps())
                 finally:
                     shutil.rmtree(spill, ignore_errors=True)
                 yield "scenarios", scenario_row(

@@ -154,6 +154,10 @@ class OutOfCoreResult:
         self.seconds[step] = self.seconds.get(step, 0.0) + now - since
         return now
 
+    def steps(self) -> str:
+        """The seconds per step, in words ("codes and checks 8.9, requests 3.1, ...")."""
+        return ", ".join(f"{step} {s:.1f}" for step, s in self.seconds.items())
+
     def said(self) -> str:
         return (f"ledger out of core in {self.partitions} block-hash partitions and {self.ranges} "
                 f"ranges of requests, spilling {self.spill_bytes / 2**20:,.0f} MiB to disk")
@@ -755,5 +759,3 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
         say(f"ledger range {b + 1}/{ranges}")
     if misses:
         yield "miss_ledger", _merged(misses)
-    log.info("scenario %s out of core, seconds per step: %s", scenario,
-             ", ".join(f"{step} {s:.1f}" for step, s in result.seconds.items()))

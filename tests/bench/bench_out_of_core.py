@@ -1,4 +1,4 @@
-"""Benchmark: the ledger of a lake larger than memory, out of core, under a 4 GiB limit (issue 17).
+"""Benchmark: every analysis of a lake larger than memory, out of core, under a 4 GiB limit (issue 17).
 
 The lake is generated (tests/scale_lake.py): a 16-replica fleet with FIFO prefix caches serving
 requests of Zipf-popular shared prefixes and their own blocks, ``ACCESSES`` needed full blocks (10M
@@ -7,13 +7,14 @@ child process of its own under ``kvlens analyze``'s own ``--memory-limit`` of ``
 watchdog stops a run whose resident memory passes it, exit status 3), and reports its seconds and
 peak RSS (VmHWM):
 
-- **out of core**: ``kvlens analyze --out-of-core`` (analyzers/out_of_core.py): the ledger tables;
-- **in memory, ledger only** (the baseline, the same tables): ``ledger_outcomes``, the request
-  ledger and the miss ledger as ``kvlens analyze`` computes them in one process;
-- **in memory, every analysis**: today's ``kvlens analyze --full``.
+- **out of core**: ``kvlens analyze --out-of-core``: the ledger (analyzers/out_of_core.py) and
+  every analysis after it (``analyzers.analyze_after_ledger``), the tables of a full analysis;
+- **in memory, ledger only**: ``ledger_outcomes``, the request ledger and the miss ledger as
+  ``kvlens analyze`` computes them in one process;
+- **in memory, every analysis** (the baseline, the same tables): ``kvlens analyze --full``.
 
 Two lakes: ``FITTING`` accesses, which every run analyzes under the limit (the time ratio of out of
-core to the in-memory ledger, at equal work), and ``ACCESSES``. Target: out of core completes with
+core to the in-memory runs, at equal work), and ``ACCESSES``. Target: out of core completes with
 its peak RSS under ``LIMIT`` on both; beside it, whether each in-memory run completed under the
 same limit, and the time ratio where it did.
 """
