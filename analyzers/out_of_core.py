@@ -74,9 +74,11 @@ replica holding most of the stream holds most of it here too.
 - two namespaces or more: ``miss_incompatible`` needs the content maps of every store;
 - repeated request ids, or requests without an id or an arrival time.
 
-**The ledger only**: ``scenarios``, ``block_outcomes``, ``request_ledger`` and ``miss_ledger``.
-The other analyses still read whole frames (docs/scale.md) and are not computed; no incremental
-state is saved, so the next ``kvlens analyze`` of the scenario is a full one.
+**This module writes the ledger**: ``block_outcomes``, ``request_ledger`` and ``miss_ledger``.
+Every analysis after it is computed out of core too, from those tables in the analysis DB
+(``kvlens.analyzers.analyze_after_ledger``: each in the module of its one-process analysis, with
+its own partitions). No incremental state is saved, so the next ``kvlens analyze`` of the
+scenario is a full one.
 """
 
 from __future__ import annotations

@@ -256,11 +256,11 @@ analyze_options = options(
                       "resident memory passes SIZE (4GiB, 512MiB, 2G = 2*10^9 bytes); DuckDB gets half of it "
                       "and spills past that. Ray's workers are not counted."),
     click.option("--out-of-core", "out_of_core", is_flag=True,
-                 help="For a lake larger than memory: compute only the ledger (block_outcomes, "
-                      "request_ledger, miss_ledger), one block-hash partition and one range of requests in "
-                      "memory at a time, spilling to a directory beside --db (docs/scale.md). Exact; refuses "
-                      "a scenario of a real engine's requests (admission needs the whole stream) or of two "
-                      "namespaces. --partitions K sets the partitions (default: one per 2M needed blocks)."),
+                 help="For a lake larger than memory: every analysis, with one partition (of block "
+                      "hashes, requests or keys), one range of requests or one replica's events in memory "
+                      "at a time, spilling to a directory beside --db (docs/scale.md). The same tables as "
+                      "a full analysis; refuses a scenario of two namespaces, and --join and --ray. "
+                      "--partitions K sets the ledger's partitions (default: one per 2M needed blocks)."),
 )
 
 # kvlens probe's flags, named as gpu_probe/run.py's probe_machine arguments.

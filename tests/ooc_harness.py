@@ -3,7 +3,7 @@
 An out-of-core analysis is called as ``kvlens analyze --out-of-core`` calls it: on the analysis DB
 being built, whose lake views are open and whose ``block_outcomes`` and ``request_ledger`` hold the
 scenario's rows (written by the out-of-core ledger), with DuckDB's memory bounded. Its frame must
-give the rows the one-process analysis writes. ``ooc_lakes`` are lakes it accepts, and one it refuses.
+give the rows the one-process analysis writes. ``ooc_lakes`` are lakes it accepts.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def ooc_lakes(tmp: Path) -> dict[str, Path]:
     """Lakes by name: ``simulated`` (a trace on a 2-replica fleet with a pool, and the trace alone),
     ``capture`` (a real vLLM capture), ``hybrid`` (two KV cache groups, one a sliding window),
     ``hand`` (clears; analyze its scenario ``clear`` only) and ``anchored`` (a real engine's
-    requests: out of core refuses it). The fixture ``ooc_lakes`` (tests/conftest.py) builds them."""
+    requests, admitted at their own stores). The fixture ``ooc_lakes`` (tests/conftest.py) builds them."""
     hand = tmp / "hand"
     _write_hand(hand)
     _write_clear(hand)
