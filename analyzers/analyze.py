@@ -91,13 +91,13 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     from kvlens.analyzers import LedgerPlan, analyze_scenario
 
     if out_of_core is not None:
-        given = [flag for flag, on in (("--join", join), ("--ray", partitions)) if on]
+        given = [flag for flag, on in (("--join", join),) if on]
         if given:
             raise ConfigError(f"{', '.join(given)} cannot go with --out-of-core: out of core computes the "
                               "ledger alone (block_outcomes, request_ledger, miss_ledger); drop "
                               f"{'them' if len(given) > 1 else 'it'}, or analyze without --out-of-core")
         return _out_of_core(lake, db, scenarios, model, progress, memory_limit, out_of_core,
-                            metrics_from=metrics_from, cache_tokens=cache_tokens)
+                            metrics_from=metrics_from, cache_tokens=cache_tokens, runner=partitions)
 
     done: list[str] = []
     models: list[tuple[str, str, str]] = []
@@ -200,7 +200,7 @@ def _chosen(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[str], scenar
 def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scenarios: Sequence[str],
                  model: ModelGeometry | None, progress: Progress | None, memory_limit: int | None,
                  plan: OutOfCore, *, metrics_from: str | None = None,
-                 cache_tokens: int | None = None) -> AnalyzeResult:
+                 cache_tokens: int | None = None, runner: Partitions | None = None) -> AnalyzeResult:
     """``analyze_lake`` out of core: each scenario's ledger tables (analyzers/out_of_core.py) in a new
     DB, with DuckDB's memory bounded (``DUCKDB_MEMORY`` when no limit is given) and the spills in a
     directory beside ``db`` named as its temporary file is (a killed run's is removed by the next
@@ -229,7 +229,7 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                     yield from ledger_out_of_core(
                         con, lake, scenario, spill, bytes_per_token=geometry.kv_bytes_per_token(),
                         group_bytes_per_token=group_bytes_per_token(geometry), plan=plan, result=result,
-                        say=say)
+                        say=say, runner=runner)
                     t = time.perf_counter()
                     for name, frame in analyze_after_ledger(
                             con, scenario, geometry, work=spill / "after", partitions=result.partitions,

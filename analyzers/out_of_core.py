@@ -101,6 +101,7 @@ from kvlens.analyzers.admission import SIMULATED, admission_cuts, anchor_groups
 from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.ledger import miss_ledger
 from kvlens.analyzers.outcomes import _SLIDING_KINDS, POOL_LOCATION, _Codes, _frame
+from kvlens.analyzers.partitions import Partitions, in_process
 from kvlens.analyzers.replay import XFER_FAILED, XFER_NONE, XFER_OK, block_states, decide_requests
 from kvlens.analyzers.request_ledger import request_ledger
 from kvlens.errors import ConfigError
@@ -149,6 +150,7 @@ class OutOfCoreResult:
     ranges: int = 0
     spill_bytes: int = 0  # the largest the spill directory grew (measured after each step)
     seconds: dict[str, float] = field(default_factory=dict)  # per step (phase 2 with its DB writes)
+    where: str = "in process"  # what ran phase 1's partitions: "in process", or "on Ray (...)"
 
     def timed(self, step: str, since: float) -> float:
         """Adds the time from ``since`` to ``step``'s; the time now."""
@@ -161,8 +163,8 @@ class OutOfCoreResult:
         return ", ".join(f"{step} {s:.1f}" for step, s in self.seconds.items())
 
     def said(self) -> str:
-        return (f"ledger out of core in {self.partitions} block-hash partitions and {self.ranges} "
-                f"ranges of requests, spilling {self.spill_bytes / 2**20:,.0f} MiB to disk")
+        return (f"ledger out of core in {self.partitions} block-hash partitions {self.where} and "
+                f"{self.ranges} ranges of requests, spilling {self.spill_bytes / 2**20:,.0f} MiB to disk")
 
 
 def _literal(text: str) -> str:
@@ -651,12 +653,17 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
                        spill: Path, *, bytes_per_token: int,
                        group_bytes_per_token: Sequence[int] | None = None, plan: OutOfCore = OutOfCore(),
                        result: OutOfCoreResult | None = None,
-                       say: Callable[[str], object] = lambda _: None) -> Iterator[tuple[str, pl.DataFrame]]:
+                       say: Callable[[str], object] = lambda _: None,
+                       runner: Partitions | None = None) -> Iterator[tuple[str, pl.DataFrame]]:
     """``scenario``'s ``block_outcomes`` and ``request_ledger`` rows, a range of requests at a time,
     then its ``miss_ledger``: ``ledger_outcomes``' (and analyze_scenario's) rows, computed with
     ``spill`` (a directory this creates; the caller removes it) holding what is not in memory.
     ``con``: a connection with the lake's views (kvlens.lake.open_lake); ``result``: filled in.
-    Raises ConfigError, before anything is written, for a scenario this cannot analyze."""
+    ``runner``: what runs phase 1's partitions (``kvlens analyze --out-of-core --ray``: Ray tasks,
+    analyzers/ray_runner.py; default one after another here). A partition's task reads its rows
+    from ``spill`` and writes its states there, so every worker must see ``spill`` at the same
+    path (one machine, or a shared filesystem). Raises ConfigError, before anything is written,
+    for a scenario this cannot analyze."""
     result = result if result is not None else OutOfCoreResult()
     lake = Path(lake)
     t = time.perf_counter()
@@ -732,8 +739,10 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
     result.spill_bytes = max(result.spill_bytes, _size(spill))
     memory.check()
     t = time.perf_counter()
-    for p in range(k):
-        _phase_one(spill, p, k, stream, loc_grp, span, ranges)
+    run = runner.run if runner is not None else in_process
+    result.where = runner.where if runner is not None else "in process"
+    parts = ((spill, p, k, stream, loc_grp, span, ranges) for p in range(k))
+    for p, _ in enumerate(run(_phase_one, parts)):  # (gathered in partition order)
         shutil.rmtree(spill / "rows" / f"part={p}", ignore_errors=True)
         memory.check()
         say(f"ledger partition {p + 1}/{k}")

@@ -27,7 +27,6 @@ from kvlens.cli_kit import (
     progress_bar,
 )
 from kvlens.cli_kit import stopped_by_signals as _stopped_by_signals
-from kvlens.errors import ConfigError
 
 __all__ = ["cli", "main"]
 
@@ -184,19 +183,17 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
     count, ray, out_of_core = flags.pop("partitions"), flags.pop("ray"), flags.pop("out_of_core")
     limit = flags["memory_limit"]
     guard: AbstractContextManager[Any] = MemoryGuard(limit) if limit is not None else nullcontext()
+    where: AbstractContextManager[Partitions | None]
     if out_of_core:
         from kvlens.analyzers.out_of_core import OutOfCore
 
-        if ray is not None:
-            raise ConfigError("--ray cannot go with --out-of-core: out of core runs its partitions in this "
-                              "process; drop one of them")
         flags["out_of_core"] = OutOfCore(partitions=count)
-        where: AbstractContextManager[Partitions | None] = nullcontext(None)
-    elif ray is not None:
+        where = nullcontext(None)
+    if ray is not None:
         from kvlens.analyzers.ray_runner import ray_partitions
 
         where = ray_partitions(ray or None, count)
-    else:
+    elif not out_of_core:
         where = nullcontext(Partitions(count) if count else None)
     with guard, where as partitions:
         result = analyze_lake(model=given_model(model, model_config), progress=items_bar("analyze"),

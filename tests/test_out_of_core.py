@@ -5,6 +5,9 @@ replica by replica, included); it refuses the others before writing anything."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import duckdb
@@ -14,6 +17,7 @@ from click.testing import CliRunner
 from ooc_harness import AFTER_LEDGER, DATA, same_tables
 from scale_lake import ScaleFleet, write_scale_lake
 from test_leftovers import _dead_pid, _tmp_of
+from test_partitions import _no_ray_left, _ray_processes
 
 from kvlens.analyzers.analyze import analyze_lake
 from kvlens.analyzers.out_of_core import OutOfCore
@@ -139,7 +143,7 @@ def test_a_killed_runs_spill_is_removed_by_the_next(ooc_lakes: dict[str, Path], 
     assert sorted(p.name for p in tmp_path.iterdir()) == [db.name]
 
 
-@pytest.mark.parametrize("flags", [["--ray"], ["--join", "conv"]])
+@pytest.mark.parametrize("flags", [["--join", "conv"]])
 def test_out_of_core_refuses_flags_it_does_not_use(ooc_lakes: dict[str, Path], tmp_path: Path,
                                                    flags: list[str]) -> None:
     run = CliRunner().invoke(cli, ["analyze", "--lake", str(ooc_lakes["simulated"]), "--db",
@@ -224,3 +228,26 @@ def test_out_of_core_admits_a_real_engines_requests(real_lakes: dict[str, Path],
     for _, mode, why in result.modes:
         assert mode == "full" and f"in {partitions} block-hash partitions" in why
     assert not list(tmp_path.glob(".*.ooc")), "the spill directory is removed"
+
+
+def test_out_of_core_on_ray(ooc_lakes: dict[str, Path], tmp_path: Path) -> None:
+    """``kvlens analyze --out-of-core --ray``: phase 1's partitions run as Ray tasks on a local
+    cluster the command starts, each reading its rows from the spill directory and writing its
+    states there (a worker reads them, not the driver): every table equals the one-process
+    analysis', and no Ray process outlives the command."""
+    pytest.importorskip("ray", reason="the ray extra is installed by make test")
+    lake = ooc_lakes["anchored"]
+    analyze_lake(lake, tmp_path / "memory.duckdb", full=True)
+    before = _ray_processes()
+    done = subprocess.run([sys.executable, "-m", "kvlens.cli", "analyze", "--lake", str(lake), "--db",
+                           str(tmp_path / "ooc.duckdb"), "--out-of-core", "--ray", "--partitions", "3"],
+                          capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cpus = os.cpu_count() or 1
+    said = f"in 3 block-hash partitions on Ray (local cluster, {cpus} CPUs)"
+    assert said in done.stderr, done.stderr[-3000:]
+    counts = _same_ledger(tmp_path / "ooc.duckdb", tmp_path / "memory.duckdb")
+    assert counts["block_outcomes"] > 0
+    assert same_tables(tmp_path / "ooc.duckdb", tmp_path / "memory.duckdb")["reuse"] > 0
+    assert not list(tmp_path.glob(".*.ooc")), "the spill directory is removed"
+    _no_ray_left(before)
