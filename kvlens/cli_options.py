@@ -259,8 +259,10 @@ analyze_options = options(
                  help="For a lake larger than memory: every analysis, with one partition (of block "
                       "hashes, requests or keys), one range of requests or one replica's events in memory "
                       "at a time, spilling to a directory beside --db (docs/scale.md). The same tables as "
-                      "a full analysis; refuses a scenario of two namespaces, and --join and --ray. "
-                      "--partitions K sets the ledger's partitions (default: one per 2M needed blocks)."),
+                      "a full analysis; refuses a scenario of two namespaces, and --join. --partitions K "
+                      "sets the ledger's partitions (default: one per 2M needed blocks); with --ray they "
+                      "run as Ray tasks that read and write the spill directory (a path every worker "
+                      "sees)."),
 )
 
 # kvlens probe's flags, named as gpu_probe/run.py's probe_machine arguments.
