@@ -152,8 +152,10 @@ def _lake(accesses: int, keep: Path | None) -> bool:
             if runs[mode]["status"] == "done":
                 ratio = float(ooc["s"]) / float(runs[mode]["s"])  # type: ignore[arg-type]
                 print(f"   out of core / {_MODES[mode]}: {ratio:.2f}x the time (measured)")
-        rate = gen["blocks"] / float(ooc["s"])  # type: ignore[arg-type]
-        print(f"   out of core: {rate:,.0f} block accesses/s; seconds per step: {ooc['steps']} (measured)")
+        if ooc["status"] == "done":
+            rate = gen["blocks"] / float(ooc["s"])  # type: ignore[arg-type]
+            print(f"   out of core: {rate:,.0f} block accesses/s; seconds per step: {ooc['steps']} "
+                  "(measured)")
         rss = ooc["rss"]
         return ooc["status"] == "done" and isinstance(rss, int) and rss < LIMIT
 
