@@ -7,6 +7,7 @@ the analysis DB writer; each analysis lives in a module of its own.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -131,9 +132,9 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     The analyses that cut the rows into partitions of their own (the prefix ranking: ranges of
     requests, then partitions of prefix tips; hygiene: requests, content hashes, run keys; warmup
     and isolation, the outcomes and keys they cannot group in DuckDB alone; flows, the events, hits
-    and transfers by block hash) spill
-    to a directory of their own in ``work``, and start from ``partitions``, the ledger's count of
-    block-hash partitions. The reuse distances and their curves read the `requests` stream once, in
+    and transfers by block hash) spill to a directory of their own in ``work`` (removed when the
+    next one starts), and start from ``partitions``, the ledger's count of block-hash partitions.
+    The reuse distances and their curves read the `requests` stream once, in
     time order in chunks, on one LRU stack (analyzers/reuse.py ``reuse_out_of_core``): O(distinct
     blocks) in memory; ``reuse``'s rows, one per re-access, are written in pieces. A stream whose
     full blocks have several sizes is not read out of core: then ``reuse``, ``mrc``,
@@ -143,6 +144,7 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
 
     def spill(name: str) -> Path:
         where = work / name
+        shutil.rmtree(work, ignore_errors=True)  # the previous analysis' files: read, and no longer needed
         where.mkdir(parents=True)
         return where
 
@@ -164,6 +166,12 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     yield "fanout", fanout(block_outcomes=outcomes)
     per_request = scenario_rows(con, "request_ledger", scenario).select(*_PER_REQUEST).pl()
     yield "latency_tails", latency_tails(request_ledger=per_request)
+    metrics = scenario_rows(con, "metric_samples", metrics_from) if metrics_from else samples
+    ((scraped,),) = metrics.aggregate("count(*)").fetchall()
+    if scraped:
+        yield "reconciliation", reconcile(metric_samples=metrics, request_ledger=per_request,
+                                          scenario=scenario)
+    del per_request  # (before the reuse distances, the largest step)
     costs = cost_model(probe_runs=con.table("probe_runs"), model=model)
     chain = CurvesChain(rate=SHARDS_RATE, ttls_s=DEFAULT_TTLS_S)
     try:
@@ -192,12 +200,6 @@ def analyze_after_ledger(con: duckdb.DuckDBPyConnection, scenario: str, model: M
     yield "crossover", crossover(costs=costs, scenario=scenario)
     yield "prefix_ranking", prefix_ranking_out_of_core(con, scenario, work=spill("prefix_ranking"),
                                                        partitions=partitions, costs=costs)
-    metrics = scenario_rows(con, "metric_samples", metrics_from) if metrics_from else samples
-    ((scraped,),) = metrics.aggregate("count(*)").fetchall()
-    if scraped:
-        yield "reconciliation", reconcile(metric_samples=metrics, request_ledger=per_request,
-                                          scenario=scenario)
-    del per_request
     yield "tier_reconciliation", tier_reconciliation(
         block_outcomes=outcomes, requests=requests, metric_samples=metrics, scenario=scenario)
 

@@ -1092,6 +1092,20 @@ class StreamChunk:
     cut: int | None  # the next chunk's first time (None: the last chunk)
 
 
+_UNITS = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
+          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def _bytes_of(setting: str) -> int | None:
+    """DuckDB's ``memory_limit`` as it shows it ("1.8 GiB", "953.6 MiB"), in bytes (to its one
+    decimal); None for another form."""
+    number, _, unit = setting.strip().partition(" ")
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        return None
+
+
 def requests_read(con: duckdb.DuckDBPyConnection, scenario: str, bytes_per_token: int, *,
                   rows: int = CHUNK_ROWS, replayed: Callable[[], int] = lambda: 0) -> Iterator[StreamChunk]:
     """``scenario``'s `requests` stream (``request_stream``'s rows and order) read from the lake
@@ -1103,13 +1117,19 @@ def requests_read(con: duckdb.DuckDBPyConnection, scenario: str, bytes_per_token
     several sizes or one has no time (not built out of core)."""
     full = f"scenario = $1 AND ({_FULL_BLOCK})"
     ids = f"kvlens_reuse_ids_{uuid.uuid4().hex}"
-    # One DuckDB thread, and no insertion order to keep (the query sorts), while the stream is read:
-    # measured on 100.3M accesses of 22.6M distinct blocks under a 2 GB limit, its sort with the
-    # join to the ids ran out of DuckDB's memory on 2 threads; on one it completed (138 s).
-    ((threads, ordered),) = con.execute(
-        "SELECT current_setting('threads'), current_setting('preserve_insertion_order')").fetchall()
+    # While the stream is read: one DuckDB thread, no insertion order to keep (the query sorts), and
+    # half DuckDB's memory, as the stack grows beside it. Measured on 100.3M accesses of 22.6M
+    # distinct blocks: at 2 GB its sort with the join to the ids ran out of DuckDB's memory on 2
+    # threads; on one it completed in 138 s at a peak of 3.40 GiB (the stack's included), at 1 GB
+    # in 186 s at 2.49 GiB.
+    ((threads, ordered, limit),) = con.execute(
+        "SELECT current_setting('threads'), current_setting('preserve_insertion_order'), "
+        "current_setting('memory_limit')").fetchall()
     con.execute("SET threads = 1")
     con.execute("SET preserve_insertion_order = false")
+    limit_bytes = _bytes_of(limit)
+    if limit_bytes is not None:
+        con.execute(f"SET memory_limit = '{max(limit_bytes // 2, 64 << 20)}B'")
     con.execute(f"CREATE OR REPLACE TEMP TABLE {ids} AS SELECT block_hash, "
                 "CAST(row_number() OVER () - 1 AS BIGINT) AS id FROM "
                 f"(SELECT block_hash FROM request_blocks WHERE {full} GROUP BY block_hash)", [scenario])
@@ -1135,6 +1155,8 @@ def requests_read(con: duckdb.DuckDBPyConnection, scenario: str, bytes_per_token
         con.execute(f"DROP TABLE IF EXISTS {ids}")
         con.execute(f"SET threads = {int(threads)}")
         con.execute(f"SET preserve_insertion_order = {'true' if ordered else 'false'}")
+        if limit_bytes is not None:
+            con.execute(f"SET memory_limit = '{limit_bytes}B'")
 
 
 class _Written:
