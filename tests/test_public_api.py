@@ -11,7 +11,8 @@ PUBLIC = {
                "SchemaVersionError"},
     "kvlens.collector": {"FORMATS", "ImportResult", "import_files"},
     "kvlens.analyzers": {
-        "LedgerPlan", "analyze_scenario", "block_outcomes", "cost_model", "crossover", "effective_capacity",
+        "LedgerPlan", "analyze_after_ledger", "analyze_scenario", "block_outcomes", "cost_model", "crossover",
+        "effective_capacity",
         "fanout", "flows", "hygiene", "isolation_findings", "join_sources", "latency_tails", "miss_ledger",
         "mrc", "prefix_ranking", "reconcile", "request_ledger", "reuse", "tier_payoff", "tier_reconciliation",
         "ttl_coverage", "warmup"},
