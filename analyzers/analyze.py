@@ -93,8 +93,8 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     if out_of_core is not None:
         given = [flag for flag, on in (("--join", join),) if on]
         if given:
-            raise ConfigError(f"{', '.join(given)} cannot go with --out-of-core: out of core computes the "
-                              "ledger alone (block_outcomes, request_ledger, miss_ledger); drop "
+            raise ConfigError(f"{', '.join(given)} cannot go with --out-of-core: joining other scenarios' "
+                              "requests by id is not built out of core; drop "
                               f"{'them' if len(given) > 1 else 'it'}, or analyze without --out-of-core")
         return _out_of_core(lake, db, scenarios, model, progress, memory_limit, out_of_core,
                             metrics_from=metrics_from, cache_tokens=cache_tokens, runner=partitions)
@@ -201,9 +201,9 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                  model: ModelGeometry | None, progress: Progress | None, memory_limit: int | None,
                  plan: OutOfCore, *, metrics_from: str | None = None,
                  cache_tokens: int | None = None, runner: Partitions | None = None) -> AnalyzeResult:
-    """``analyze_lake`` out of core: each scenario's ledger tables (analyzers/out_of_core.py) in a new
-    DB, with DuckDB's memory bounded (``DUCKDB_MEMORY`` when no limit is given) and the spills in a
-    directory beside ``db`` named as its temporary file is (a killed run's is removed by the next
+    """``analyze_lake`` out of core: each scenario's ledger (analyzers/out_of_core.py) and every
+    analysis after it (``analyze_after_ledger``) in a new DB, with DuckDB's memory bounded
+    (``DUCKDB_MEMORY`` when no limit is given) and the spills in a directory beside ``db`` named as its temporary file is (a killed run's is removed by the next
     build, ``remove_dead_leftovers``)."""
     from kvlens.analyzers import analyze_after_ledger, scenario_row
     from kvlens.analyzers.out_of_core import DUCKDB_MEMORY, OutOfCoreResult, ledger_out_of_core
