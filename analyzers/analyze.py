@@ -203,8 +203,9 @@ def _out_of_core(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                  cache_tokens: int | None = None, runner: Partitions | None = None) -> AnalyzeResult:
     """``analyze_lake`` out of core: each scenario's ledger (analyzers/out_of_core.py) and every
     analysis after it (``analyze_after_ledger``) in a new DB, with DuckDB's memory bounded
-    (``DUCKDB_MEMORY`` when no limit is given) and the spills in a directory beside ``db`` named as its temporary file is (a killed run's is removed by the next
-    build, ``remove_dead_leftovers``)."""
+    (``DUCKDB_MEMORY`` when no limit is given) and the spills in a directory beside ``db`` named
+    as its temporary file is (a killed run's is removed by the next build,
+    ``remove_dead_leftovers``)."""
     from kvlens.analyzers import analyze_after_ledger, scenario_row
     from kvlens.analyzers.out_of_core import DUCKDB_MEMORY, OutOfCoreResult, ledger_out_of_core
 
