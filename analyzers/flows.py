@@ -53,6 +53,7 @@ from typing import Literal
 import duckdb
 import polars as pl
 
+from kvlens.analysis_db import settings
 from kvlens.analyzers.outcomes import LOOKUP_SQL, in_order
 from kvlens.analyzers.state_blob import pack, still_counted, unpack
 from kvlens.schema import HIT_OUTCOMES, Medium, Outcome
@@ -467,14 +468,9 @@ def flows_out_of_core(con: duckdb.DuckDBPyConnection, scenario: str, *, work: Pa
         raise ValueError(f"window_ns must be positive, got {window_ns}")
     if partitions < 1 or rows_per_partition < 1:
         raise ValueError("partitions and rows per partition must be positive")
-    ((kept,),) = con.execute("SELECT current_setting('preserve_insertion_order')").fetchall()
-    con.execute("SET preserve_insertion_order = true")  # the copies in scan order rely on it
-    try:
+    with settings(con, preserve_insertion_order=True):  # the copies in scan order rely on it
         return _flows_partitioned(con, scenario, work, partitions, bytes_per_token, window_ns,
                                   rows_per_partition)
-    finally:
-        if not kept:
-            con.execute("SET preserve_insertion_order = false")
 
 
 def _quoted(text: str | Path) -> str:

@@ -97,6 +97,7 @@ import numpy as np
 import polars as pl
 
 from kvlens import memory
+from kvlens.analysis_db import settings
 from kvlens.analyzers.admission import SIMULATED, admission_cuts, anchor_groups
 from kvlens.analyzers.gaps import event_gaps, mark_incomplete
 from kvlens.analyzers.ledger import miss_ledger
@@ -321,17 +322,16 @@ def _spill_events(con: duckdb.DuckDBPyConnection, events: str, spill: Path, part
     how many there are. The places are the row numbers of one file written sorted by the stream's
     key (an ORDER BY, which DuckDB sorts out of core), read back with ``file_row_number``."""
     ordered = spill / "events-sorted.parquet"
-    con.execute("SET preserve_insertion_order = true")  # (the sorted file is written in order)
-    con.execute(f"""COPY (
-        SELECT e.ts0, CAST(e.seq0 AS BIGINT) AS seq0, CAST(e.kind AS TINYINT) AS kind, l.code AS loc,
-               CAST(e.tier AS TINYINT) AS tier, g.code AS grp, e.h, e.parent,
-               CAST(e.copies_left AS BIGINT) AS copies_left,
-               CASE WHEN e.kind = {_CLEARED} THEN {partitions} ELSE e.h % {partitions} END AS part
-        FROM ({events}) e JOIN _ooc_locs l ON l.name = e.loc_name JOIN _ooc_groups g ON g.grp = e.grp
-        JOIN _ooc_segments s ON s.path = e._segment
-        ORDER BY e.ts0, e.seq0, s.seg, e._row
-    ) TO {_literal(str(ordered))} (FORMAT parquet, COMPRESSION lz4)""")
-    con.execute("SET preserve_insertion_order = false")
+    with settings(con, preserve_insertion_order=True):  # (the sorted file is written in order)
+        con.execute(f"""COPY (
+            SELECT e.ts0, CAST(e.seq0 AS BIGINT) AS seq0, CAST(e.kind AS TINYINT) AS kind, l.code AS loc,
+                   CAST(e.tier AS TINYINT) AS tier, g.code AS grp, e.h, e.parent,
+                   CAST(e.copies_left AS BIGINT) AS copies_left,
+                   CASE WHEN e.kind = {_CLEARED} THEN {partitions} ELSE e.h % {partitions} END AS part
+            FROM ({events}) e JOIN _ooc_locs l ON l.name = e.loc_name JOIN _ooc_groups g ON g.grp = e.grp
+            JOIN _ooc_segments s ON s.path = e._segment
+            ORDER BY e.ts0, e.seq0, s.seg, e._row
+        ) TO {_literal(str(ordered))} (FORMAT parquet, COMPRESSION lz4)""")
     con.execute(f"""COPY (
         SELECT CAST(file_row_number AS BIGINT) AS place, * EXCLUDE (file_row_number)
         FROM read_parquet({_literal(str(ordered))}, file_row_number = true)
@@ -703,37 +703,37 @@ def ledger_out_of_core(con: duckdb.DuckDBPyConnection, lake: str | os.PathLike[s
         con.register(name, frame)
     try:
         # (the spills' row order is not kept: each is sorted where it is read)
-        con.execute("SET preserve_insertion_order = false")
-        say("out of core: events by block hash")
-        t = result.timed("codes and checks", t)
-        n_events = _spill_events(con, events, spill, k)
-        t = result.timed("events by block hash", t)
-        con.execute("SET preserve_insertion_order = true")  # (the requests' files are read in order)
-        _time_cuts(con, spill, by_lookup, timed, n_events)
-        t = result.timed("time cuts", t)
-        admitted = []
-        if anchored:
-            _spill_admission(con, scenario, spill, timed, anchored)
-            result.spill_bytes = _size(spill)
-            for n, loc in enumerate(anchored):
-                say(f"out of core: admission at replica {stream.locs.names[loc]} ({n + 1}/{len(anchored)})")
-                cuts = _admit_replica(spill, loc, pool_loc, anchors, np.where(loc_grp, windows, 0))
-                admitted.append(spill / "admit" / f"cuts-{loc}.parquet")
-                cuts.write_parquet(admitted[-1])
-                del cuts
-                memory.check()
-            t = result.timed("admission", t)
-        _numbered(con, spill, timed, admitted, pool_loc, requests)
-        shutil.rmtree(spill / "admit", ignore_errors=True)
-        by_lookup.unlink()
-        timed.unlink()
-        t = result.timed("look-up places", t)
-        con.execute("SET preserve_insertion_order = false")
-        say("out of core: needed blocks by block hash")
-        _spill_rows(con, lake, scenario, requests, spill, k)
-        t = result.timed("needed blocks by block hash", t)
+        with settings(con, preserve_insertion_order=False):
+            say("out of core: events by block hash")
+            t = result.timed("codes and checks", t)
+            n_events = _spill_events(con, events, spill, k)
+            t = result.timed("events by block hash", t)
+        with settings(con, preserve_insertion_order=True):  # (the requests' files are read in order)
+            _time_cuts(con, spill, by_lookup, timed, n_events)
+            t = result.timed("time cuts", t)
+            admitted = []
+            if anchored:
+                _spill_admission(con, scenario, spill, timed, anchored)
+                result.spill_bytes = _size(spill)
+                for n, loc in enumerate(anchored):
+                    say(f"out of core: admission at replica {stream.locs.names[loc]} "
+                        f"({n + 1}/{len(anchored)})")
+                    cuts = _admit_replica(spill, loc, pool_loc, anchors, np.where(loc_grp, windows, 0))
+                    admitted.append(spill / "admit" / f"cuts-{loc}.parquet")
+                    cuts.write_parquet(admitted[-1])
+                    del cuts
+                    memory.check()
+                t = result.timed("admission", t)
+            _numbered(con, spill, timed, admitted, pool_loc, requests)
+            shutil.rmtree(spill / "admit", ignore_errors=True)
+            by_lookup.unlink()
+            timed.unlink()
+            t = result.timed("look-up places", t)
+        with settings(con, preserve_insertion_order=False):
+            say("out of core: needed blocks by block hash")
+            _spill_rows(con, lake, scenario, requests, spill, k)
+            t = result.timed("needed blocks by block hash", t)
     finally:
-        con.execute("SET preserve_insertion_order = true")
         for name in registered:
             con.unregister(name)
     result.spill_bytes = max(result.spill_bytes, _size(spill))

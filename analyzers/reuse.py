@@ -42,6 +42,7 @@ import numba
 import numpy as np
 import polars as pl
 
+from kvlens.analysis_db import settings
 from kvlens.analyzers.hashmap import mix64 as _mix64
 from kvlens.analyzers.state_blob import pack, still_counted, unpack
 from kvlens.errors import ConfigError, NoDataError
@@ -1122,41 +1123,33 @@ def requests_read(con: duckdb.DuckDBPyConnection, scenario: str, bytes_per_token
     # distinct blocks: at 2 GB its sort with the join to the ids ran out of DuckDB's memory on 2
     # threads; on one it completed in 138 s at a peak of 3.40 GiB (the stack's included), at 1 GB
     # in 186 s at 2.49 GiB.
-    ((threads, ordered, limit),) = con.execute(
-        "SELECT current_setting('threads'), current_setting('preserve_insertion_order'), "
-        "current_setting('memory_limit')").fetchall()
-    con.execute("SET threads = 1")
-    con.execute("SET preserve_insertion_order = false")
+    ((limit,),) = con.execute("SELECT current_setting('memory_limit')").fetchall()
     limit_bytes = _bytes_of(limit)
-    if limit_bytes is not None:
-        con.execute(f"SET memory_limit = '{max(limit_bytes // 2, 64 << 20)}B'")
-    con.execute(f"CREATE OR REPLACE TEMP TABLE {ids} AS SELECT block_hash, "
-                "CAST(row_number() OVER () - 1 AS BIGINT) AS id FROM "
-                f"(SELECT block_hash FROM request_blocks WHERE {full} GROUP BY block_hash)", [scenario])
-    try:
-        ((keys,),) = con.execute(f"SELECT count(*) FROM {ids}").fetchall()
-        ((low, high, unstamped),) = con.execute(
-            f"SELECT min(block_tokens), max(block_tokens), count(*) FILTER (WHERE arrival_ns IS NULL) "
-            f"FROM request_blocks WHERE {full}", [scenario]).fetchall()
-        if not keys:
-            raise _no_stream(scenario)
-        if low != high or unstamped:
-            raise ConfigError(f"scenario {scenario}: out of core, the `requests` stream needs every full "
-                              "block of one size and an arrival time (not built for others yet)")
-        size = int(low) * bytes_per_token
-        stack = StreamStack(int(keys))
-        target = [rows]
-        reader = con.sql(_REQUESTS_SQL.format(ids=ids), params=[scenario]).to_arrow_reader(_BATCH_ROWS)
-        for frame, cut in _in_chunks(reader, lambda: target[0]):
-            blocks, interval = stack.push(frame["id"].to_numpy(), frame["ts_ns"].to_numpy())
-            yield StreamChunk(frame.drop("id"), blocks, interval, size, cut)
-            target[0] = max(rows, replayed() // _REPLAYS)
-    finally:
-        con.execute(f"DROP TABLE IF EXISTS {ids}")
-        con.execute(f"SET threads = {int(threads)}")
-        con.execute(f"SET preserve_insertion_order = {'true' if ordered else 'false'}")
-        if limit_bytes is not None:
-            con.execute(f"SET memory_limit = '{limit_bytes}B'")
+    half = {} if limit_bytes is None else {"memory_limit": f"{max(limit_bytes // 2, 64 << 20)}B"}
+    with settings(con, threads=1, preserve_insertion_order=False, **half):
+        con.execute(f"CREATE OR REPLACE TEMP TABLE {ids} AS SELECT block_hash, "
+                    "CAST(row_number() OVER () - 1 AS BIGINT) AS id FROM "
+                    f"(SELECT block_hash FROM request_blocks WHERE {full} GROUP BY block_hash)", [scenario])
+        try:
+            ((keys,),) = con.execute(f"SELECT count(*) FROM {ids}").fetchall()
+            ((low, high, unstamped),) = con.execute(
+                f"SELECT min(block_tokens), max(block_tokens), count(*) FILTER (WHERE arrival_ns IS NULL) "
+                f"FROM request_blocks WHERE {full}", [scenario]).fetchall()
+            if not keys:
+                raise _no_stream(scenario)
+            if low != high or unstamped:
+                raise ConfigError(f"scenario {scenario}: out of core, the `requests` stream needs every full "
+                                  "block of one size and an arrival time (not built for others yet)")
+            size = int(low) * bytes_per_token
+            stack = StreamStack(int(keys))
+            target = [rows]
+            reader = con.sql(_REQUESTS_SQL.format(ids=ids), params=[scenario]).to_arrow_reader(_BATCH_ROWS)
+            for frame, cut in _in_chunks(reader, lambda: target[0]):
+                blocks, interval = stack.push(frame["id"].to_numpy(), frame["ts_ns"].to_numpy())
+                yield StreamChunk(frame.drop("id"), blocks, interval, size, cut)
+                target[0] = max(rows, replayed() // _REPLAYS)
+        finally:
+            con.execute(f"DROP TABLE IF EXISTS {ids}")
 
 
 class _Written:

@@ -14,7 +14,7 @@ import glob
 import os
 import shutil
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import duckdb
@@ -26,7 +26,8 @@ from kvlens.errors import ConfigError, InputError
 from kvlens.lake import create_enum_types, open_lake
 from kvlens.schema import ANALYSIS_TABLES, SCHEMA_VERSION, TABLES
 
-__all__ = ["attach_analysis_db", "build_analysis_db", "check_duckdb_file", "remove_dead_leftovers"]
+__all__ = ["attach_analysis_db", "build_analysis_db", "check_duckdb_file", "remove_dead_leftovers",
+           "settings"]
 
 # A DuckDB file starts with an 8-byte checksum and the magic "DUCK" (storage format docs:
 # https://duckdb.org/docs/stable/internals/storage).
@@ -95,6 +96,38 @@ def attach_analysis_db(con: duckdb.DuckDBPyConnection, db: str | os.PathLike[str
 def _quoted(text: str) -> str:
     # ATTACH takes no bound parameters; the path is quoted as a SQL literal.
     return "'" + text.replace("'", "''") + "'"
+
+
+@contextlib.contextmanager
+def settings(con: duckdb.DuckDBPyConnection, **values: bool | int | str) -> Iterator[dict[str, object]]:
+    """DuckDB settings on ``con`` for the ``with`` block (``settings(con, threads=1)``), each put
+    back after it to what it was, also when the block raises or a generator holding it is closed.
+    Yields the values they had (by name), read in one statement before any is changed. A value
+    DuckDB shows rounded (``memory_limit``: "1.8 GiB") is put back as shown."""
+    names = list(values)
+    if not names:
+        yield {}
+        return
+    (before,) = con.execute("SELECT " + ", ".join(f"current_setting({_quoted(n)})" for n in names)).fetchall()
+    previous = dict(zip(names, before, strict=True))
+    changed: list[str] = []
+    try:
+        for name, value in values.items():
+            con.execute(f"SET {name} = {_setting(value)}")
+            changed.append(name)
+        yield previous
+    finally:
+        for name in reversed(changed):
+            con.execute(f"SET {name} = {_setting(previous[name])}")
+
+
+def _setting(value: object) -> str:
+    """A setting's value as SQL: true/false, an integer, else a quoted string."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    return _quoted(str(value))
 
 
 def _lake_read_error(e: duckdb.Error, lake: str | os.PathLike[str]) -> Exception:
