@@ -103,7 +103,8 @@ def settings(con: duckdb.DuckDBPyConnection, **values: bool | int | str) -> Iter
     """DuckDB settings on ``con`` for the ``with`` block (``settings(con, threads=1)``), each put
     back after it to what it was, also when the block raises or a generator holding it is closed.
     Yields the values they had (by name), read in one statement before any is changed. A value
-    DuckDB shows rounded (``memory_limit``: "1.8 GiB") is put back as shown."""
+    DuckDB shows cut to one decimal (``memory_limit``: 1.8 GiB shows as "1.7 GiB") is put back
+    as shown, so up to a tenth of its unit lower: DuckDB gives no exact value to read."""
     names = list(values)
     if not names:
         yield {}
