@@ -42,6 +42,7 @@ import numba
 import numpy as np
 import polars as pl
 
+from kvlens import memory
 from kvlens.analysis_db import settings
 from kvlens.analyzers.hashmap import mix64 as _mix64
 from kvlens.analyzers.state_blob import pack, still_counted, unpack
@@ -1093,20 +1094,6 @@ class StreamChunk:
     cut: int | None  # the next chunk's first time (None: the last chunk)
 
 
-_UNITS = {"bytes": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40,
-          "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-
-
-def _bytes_of(setting: str) -> int | None:
-    """DuckDB's ``memory_limit`` as it shows it ("1.8 GiB", "953.6 MiB"), in bytes (to its one
-    decimal); None for another form."""
-    number, _, unit = setting.strip().partition(" ")
-    try:
-        return int(float(number) * _UNITS[unit])
-    except (KeyError, ValueError):
-        return None
-
-
 def requests_read(con: duckdb.DuckDBPyConnection, scenario: str, bytes_per_token: int, *,
                   rows: int = CHUNK_ROWS, replayed: Callable[[], int] = lambda: 0) -> Iterator[StreamChunk]:
     """``scenario``'s `requests` stream (``request_stream``'s rows and order) read from the lake
@@ -1124,8 +1111,10 @@ def requests_read(con: duckdb.DuckDBPyConnection, scenario: str, bytes_per_token
     # threads; on one it completed in 138 s at a peak of 3.40 GiB (the stack's included), at 1 GB
     # in 186 s at 2.49 GiB.
     ((limit,),) = con.execute("SELECT current_setting('memory_limit')").fetchall()
-    limit_bytes = _bytes_of(limit)
-    half = {} if limit_bytes is None else {"memory_limit": f"{max(limit_bytes // 2, 64 << 20)}B"}
+    try:  # as DuckDB shows it ("1.8 GiB"); another form (no limit): left as it is
+        half = {"memory_limit": f"{max(memory.parse_size(limit, 'memory_limit') // 2, 64 << 20)}B"}
+    except ConfigError:
+        half = {}
     with settings(con, threads=1, preserve_insertion_order=False, **half):
         con.execute(f"CREATE OR REPLACE TEMP TABLE {ids} AS SELECT block_hash, "
                     "CAST(row_number() OVER () - 1 AS BIGINT) AS id FROM "

@@ -106,10 +106,8 @@ def settings(con: duckdb.DuckDBPyConnection, **values: bool | int | str) -> Iter
     DuckDB shows cut to one decimal (``memory_limit``: 1.8 GiB shows as "1.7 GiB") is put back
     as shown, so up to a tenth of its unit lower: DuckDB gives no exact value to read."""
     names = list(values)
-    if not names:
-        yield {}
-        return
-    (before,) = con.execute("SELECT " + ", ".join(f"current_setting({_quoted(n)})" for n in names)).fetchall()
+    read = "SELECT " + ", ".join(f"current_setting({_quoted(n)})" for n in names)
+    (before,) = con.execute(read).fetchall() if names else [()]
     previous = dict(zip(names, before, strict=True))
     changed: list[str] = []
     try:
