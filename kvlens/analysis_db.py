@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -102,9 +103,12 @@ def _quoted(text: str) -> str:
 def settings(con: duckdb.DuckDBPyConnection, **values: bool | int | str) -> Iterator[dict[str, object]]:
     """DuckDB settings on ``con`` for the ``with`` block (``settings(con, threads=1)``), each put
     back after it to what it was, also when the block raises or a generator holding it is closed.
-    Yields the values they had (by name), read in one statement before any is changed. A value
-    DuckDB shows cut to one decimal (``memory_limit``: 1.8 GiB shows as "1.7 GiB") is put back
-    as shown, so up to a tenth of its unit lower: DuckDB gives no exact value to read."""
+    Yields the values they had (by name), read in one statement before any is changed. A size
+    DuckDB shows cut to one decimal (``memory_limit``: 1.8 GiB shows as "1.7 GiB"; DuckDB gives no
+    exact value to read) is put back as the fewest bytes DuckDB shows so (``_shown_bytes``): up to
+    a tenth of its unit lower once, and then unchanged however many blocks set it and put it back
+    (put back as the text it showed, "1.7 GiB" parses a little under 1.7 GiB and shows as "1.6
+    GiB": each block lowered it by another tenth)."""
     names = list(values)
     read = "SELECT " + ", ".join(f"current_setting({_quoted(n)})" for n in names)
     (before,) = con.execute(read).fetchall() if names else [()]
@@ -117,7 +121,26 @@ def settings(con: duckdb.DuckDBPyConnection, **values: bool | int | str) -> Iter
         yield previous
     finally:
         for name in reversed(changed):
-            con.execute(f"SET {name} = {_setting(previous[name])}")
+            shown = previous[name]
+            exact = _shown_bytes(shown) if isinstance(shown, str) else None
+            con.execute(f"SET {name} = {_setting(shown if exact is None else f'{exact}B')}")
+
+
+# How DuckDB shows a size (StringUtil::BytesToHumanReadableString, src/common/string_util.cpp): the
+# largest unit with a whole count, then the next unit's remainder times 10 divided by 1024, cut:
+# "1.7 GiB" is 1 GiB and 717 to 819 MiB (716 MiB shows as "1.6 GiB").
+_SHOWN_SIZE = re.compile(r"(\d+)\.(\d) (KiB|MiB|GiB|TiB|PiB)")
+_BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+
+
+def _shown_bytes(text: str) -> int | None:
+    """The fewest bytes DuckDB shows as ``text`` ("1.7 GiB"), or None when it is not such a size."""
+    got = _SHOWN_SIZE.fullmatch(text)
+    if got is None:
+        return None
+    whole, tenth, unit = int(got[1]), int(got[2]), got[3]
+    power = _BINARY_UNITS.index(unit) + 1
+    return whole * 1024**power + -(-tenth * 1024 // 10) * 1024**(power - 1)
 
 
 def _setting(value: object) -> str:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 import duckdb
 import pytest
 
-from kvlens.analysis_db import settings
+from kvlens.analysis_db import _shown_bytes, settings
 
 
 def _now(con: duckdb.DuckDBPyConnection) -> tuple[object, ...]:
@@ -66,3 +66,42 @@ def test_no_settings_is_a_block_that_changes_nothing(con: duckdb.DuckDBPyConnect
     with settings(con) as previous:
         assert previous == {}
     assert _now(con) == before
+
+
+_LIMITS = [1_900_000_000, 1_825_361_101, 1_825_570_816, 3 * 2**40 + 5, 2**30, 512 * 2**20, 1023 * 2**20 + 7]
+
+
+@pytest.mark.parametrize("limit", _LIMITS)
+def test_a_size_duckdb_shows_cut_is_put_back_unchanged_however_often_a_block_sets_it(limit: int) -> None:
+    # DuckDB shows memory_limit cut to one decimal; put back as that text, "1.7 GiB" parses a little
+    # under 1.7 GiB and shows as "1.6 GiB": a block per analysis step lowered the limit every time
+    con = duckdb.connect(config={"memory_limit": f"{limit}B"})
+    try:
+        shown = _now(con)[2]
+        for _ in range(4):
+            with settings(con, memory_limit="256MiB", threads=1):
+                assert _now(con)[2] == "256.0 MiB"
+            assert _now(con)[2] == shown
+    finally:
+        con.close()
+
+
+@pytest.mark.parametrize("limit", _LIMITS)
+def test_the_bytes_put_back_are_the_fewest_duckdb_shows_as_it_showed(limit: int) -> None:
+    con = duckdb.connect(config={"memory_limit": f"{limit}B"})
+    try:
+        shown = _now(con)[2]
+        least = _shown_bytes(shown)
+        assert least is not None and least <= limit
+        con.execute(f"SET memory_limit = '{least}B'")
+        assert _now(con)[2] == shown
+        con.execute(f"SET memory_limit = '{least - 1}B'")
+        assert _now(con)[2] != shown
+    finally:
+        con.close()
+
+
+def test_a_setting_that_is_not_a_shown_size_is_put_back_as_its_text() -> None:
+    assert _shown_bytes("90% of available disk space") is None
+    assert _shown_bytes("134217728B") is None
+    assert _shown_bytes("1.7 GB") is None  # (a decimal unit: not how DuckDB shows its limits)
