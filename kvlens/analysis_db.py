@@ -129,8 +129,8 @@ def settings(con: duckdb.DuckDBPyConnection, **values: bool | int | str) -> Iter
 # How DuckDB shows a size (StringUtil::BytesToHumanReadableString, src/common/string_util.cpp): the
 # largest unit with a whole count, then the next unit's remainder times 10 divided by 1024, cut:
 # "1.7 GiB" is 1 GiB and 717 to 819 MiB (716 MiB shows as "1.6 GiB").
-_SHOWN_SIZE = re.compile(r"(\d+)\.(\d) (KiB|MiB|GiB|TiB|PiB)")
 _BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
+_SHOWN_SIZE = re.compile(rf"(\d+)\.(\d) ({'|'.join(_BINARY_UNITS)})")
 
 
 def _shown_bytes(text: str) -> int | None:
