@@ -137,26 +137,32 @@ def _swap_one(entry: dict[str, Any]) -> None:
     if entry["had_old"]:
         Path(entry["trash"]).parent.mkdir(parents=True, exist_ok=True)
         os.replace(final, entry["trash"])
-    os.replace(entry["staged"], final)
+    if entry["staged"] is not None:  # (None: the old path is only removed)
+        os.replace(entry["staged"], final)
     fsync_path(final.parent)
 
 
 def _undo(entries: Sequence[dict[str, Any]]) -> None:
-    """Put every directory back as it was before the swap; safe to run twice."""
+    """Put every path back as it was before the swap; safe to run twice."""
     for e in reversed(entries):
-        staged, final, trash = Path(e["staged"]), Path(e["final"]), Path(e["trash"])
-        if not staged.exists() and final.exists() and (trash.exists() or not e["had_old"]):
+        final, trash = Path(e["final"]), Path(e["trash"])
+        staged = None if e["staged"] is None else Path(e["staged"])
+        if staged is not None and not staged.exists() and final.exists() \
+                and (trash.exists() or not e["had_old"]):
             staged.parent.mkdir(parents=True, exist_ok=True)
             os.replace(final, staged)  # the new directory goes back to staging
         if trash.exists() and not final.exists():
             os.replace(trash, final)
 
 
-def swap_in(lake: Path, pairs: Sequence[tuple[Path, Path]]) -> None:
-    """Move each staged directory onto its final path, all or none (see the module docstring)."""
+def swap_in(lake: Path, pairs: Sequence[tuple[Path | None, Path]]) -> None:
+    """Move each staged path (a directory, or a file) onto its final path, all or none (see the
+    module docstring); a pair staged None removes its final path (to trash, undone the same way):
+    a compaction's merged segment replaces one segment and removes the others in one commit."""
     token = staging_token()
-    entries = [{"staged": str(staged), "final": str(final), "trash": str(lake / TRASH / token / str(i)),
-                "had_old": final.exists()} for i, (staged, final) in enumerate(pairs)]
+    entries = [{"staged": None if staged is None else str(staged), "final": str(final),
+                "trash": str(lake / TRASH / token / str(i)), "had_old": final.exists()}
+               for i, (staged, final) in enumerate(pairs)]
     journal = lake / _JOURNAL / f"{token}.json"
     _write_journal(journal, {"host": _HOST, "pid": os.getpid(), "entries": entries})
     try:
