@@ -25,6 +25,7 @@ import polars as pl
 from kvlens.analysis_db import build_analysis_db
 from kvlens.analyzers import incremental
 from kvlens.commit import tmp_name
+from kvlens.compact import merged_segments
 from kvlens.errors import ConfigError, NoDataError
 from kvlens.models import DEFAULT_MODEL, ModelGeometry, get_model, group_bytes_per_token
 
@@ -103,6 +104,7 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
     models: list[tuple[str, str, str]] = []
     modes: list[tuple[str, str, str]] = []
     segments = incremental.snapshot(lake)
+    merged = merged_segments(lake)
     previous = Path(db).resolve()
     code = incremental.code_digest()
     candidate = None if full else incremental.base_file(previous)
@@ -129,7 +131,8 @@ def analyze_lake(lake: str | os.PathLike[str], db: str | os.PathLike[str], scena
                 config = incremental.config_of(geometry, source, cache_tokens=cache_tokens, join=join,
                                                metrics_from=metrics_from, code=code)
                 now = incremental.scenario_inputs(lake, segments, scenario, config, join=join,
-                                                  metrics_from=metrics_from, known=before.get(scenario))
+                                                  metrics_from=metrics_from, known=before.get(scenario),
+                                                  merged=merged)
                 decision = incremental.decide(now, before.get(scenario), full=full, no_state=no_state)
                 log.info("scenario %s: %s (%s)", scenario, decision.mode, decision.reason)
                 edge = incremental.horizon(now, before.get(scenario) if decision.mode != "full" else None)

@@ -99,7 +99,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +107,6 @@ from typing import Any, Protocol, TypeVar
 
 import duckdb
 import polars as pl
-import pyarrow.parquet as pq
 
 from kvlens.analysis_db import attach_analysis_db, check_duckdb_file
 from kvlens.analyzers.flows import FLOWS_TABLE, FlowsState
@@ -116,7 +115,10 @@ from kvlens.analyzers.outcomes import Prefetch, Resume
 from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
 from kvlens.analyzers.scans import SCANS_TABLE, ScanState
 from kvlens.analyzers.state_blob import Pending
+from kvlens.commit import wait_for_commits
+from kvlens.compact import Merged
 from kvlens.errors import ConfigError
+from kvlens.lake import segment_time_range
 from kvlens.models import ModelGeometry
 from kvlens.schema import ANALYSIS_TABLES, LAKE_TABLES, SCHEMA_VERSION, TABLES
 
@@ -224,30 +226,14 @@ def config_of(model: ModelGeometry, model_source: str, *, cache_tokens: int | No
                        "schema_version": SCHEMA_VERSION, "code": code}, sort_keys=True, default=str)
 
 
-def _time_range(path: Path, column: str | None) -> tuple[int | None, int | None]:
-    """(oldest, newest) of ``column`` in a segment, from its row-group statistics (no data read)."""
-    if column is None:
-        return None, None
-    meta = pq.read_metadata(path)
-    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
-    if column not in names:
-        return None, None
-    idx = names.index(column)
-    lows, highs = [], []
-    for g in range(meta.num_row_groups):
-        stats = meta.row_group(g).column(idx).statistics
-        if stats is None or not stats.has_min_max:
-            return None, None
-        lows.append(int(stats.min))
-        highs.append(int(stats.max))
-    return (min(lows), max(highs)) if lows else (None, None)
-
-
 def snapshot(lake: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
     """Every committed segment of the lake now: path under the lake -> (size, mtime). Taken before
     the lake's views are bound, so a segment that lands in between is analyzed but not recorded
-    (the next run sees it as new and analyzes it again) rather than recorded but not analyzed."""
+    (the next run sees it as new and analyzes it again) rather than recorded but not analyzed;
+    and once no commit is in progress (a compaction's merged segment is never listed beside the
+    segments it replaces)."""
     root = Path(lake)
+    wait_for_commits(root)
     found = {}
     for table in LAKE_TABLES:
         for path in sorted((root / table.name).glob("**/*.parquet")):
@@ -259,11 +245,15 @@ def snapshot(lake: str | os.PathLike[str]) -> dict[str, tuple[int, int]]:
 
 def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int, int]], scenario: str,
                     config: str, *, join: Sequence[str], metrics_from: str | None,
-                    known: Inputs | None = None) -> Inputs:
+                    known: Inputs | None = None, merged: Mapping[str, Merged] | None = None) -> Inputs:
     """The segments of ``segments`` (a ``snapshot``) that ``scenario`` reads, with their row times
-    (from ``known`` where the same file was seen before, else from its Parquet statistics)."""
+    (from ``known`` where the same file was seen before, else from its Parquet statistics). A
+    merged segment of ``merged`` (kvlens/compact.py: a compaction's, with the segments it replaced)
+    is read as the segments it replaced, as they were recorded: the same rows, so a compaction
+    between two analyses changes none of the inputs the next one compares."""
     read = {scenario, *join} | ({metrics_from} if metrics_from else set())
     seen = {s.path: s for s in known.segments} if known else {}
+    merged = merged or {}
     picked: list[Segment] = []
     for table in LAKE_TABLES:
         prefixes = ([f"{table.name}/"] if table.name in _GLOBAL_TABLES
@@ -271,11 +261,15 @@ def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int,
         for path, (size, mtime) in segments.items():
             if not path.startswith(tuple(prefixes)):
                 continue
+            replaced = merged.get(path)
+            if replaced is not None and replaced.size == size:
+                picked.extend(Segment(**dataclasses.asdict(s)) for s in replaced.sources)
+                continue
             old = seen.get(path)
             if old is not None and (old.size, old.mtime_ns) == (size, mtime):
                 picked.append(old)
                 continue
-            oldest, newest = _time_range(Path(lake) / path, table.time_column)
+            oldest, newest = segment_time_range(Path(lake) / path, table.time_column)
             picked.append(Segment(path, size, mtime, oldest, newest))
     return Inputs(config, tuple(picked))
 

@@ -33,9 +33,15 @@ def segment_schema(path: Path) -> pa.Schema:
 
 
 def read_segment(path: Path, schema: pa.Schema) -> pa.Table:
-    """One whole segment as ``schema``, or an InputError naming it."""
+    """One whole segment as ``schema`` (a column it lacks, from an older schema, NULL), or an
+    InputError naming it. (Read as one file, not through pyarrow's dataset layer, whose import
+    alone took 0.25 s of a compaction of 160 small segments.)"""
     try:
-        return pq.read_table(path, schema=schema)
+        data = pq.ParquetFile(path).read()
+        n = data.num_rows
+        return pa.Table.from_arrays(
+            [data.column(f.name).cast(f.type) if f.name in data.column_names else pa.nulls(n, f.type)
+             for f in schema], schema=schema)
     except (OSError, pa.ArrowException) as e:
         raise InputError(f"{_move_aside(path)} ({str(e).splitlines()[0]})") from None
 

@@ -54,6 +54,8 @@ __all__ = [
     "open_lake",
     "positioned_sql",
     "segment_files",
+    "segment_time_range",
+    "segment_writer",
     "write_scenario",
     "writer_checkpoints",
 ]
@@ -346,6 +348,32 @@ def segment_files(lake: str | Path, table: str, scenario: str | None = None) -> 
     base = Path(lake) / table
     pattern = f"scenario={scenario}/date=*/*.parquet" if scenario else "scenario=*/date=*/*.parquet"
     return sorted(base.glob(pattern))
+
+
+def segment_writer(name: str) -> str | None:
+    """The writer id in a segment's file name (``<writer>-<20 digits>.parquet``), or None."""
+    m = _SEGMENT_RE.match(name)
+    return m.group("writer") if m else None
+
+
+def segment_time_range(path: Path, column: str | None) -> tuple[int | None, int | None]:
+    """(oldest, newest) of ``column`` in one segment, from its row-group statistics (no data read);
+    (None, None) when the column is absent or a row group has no statistics."""
+    if column is None:
+        return None, None
+    meta = pq.read_metadata(path)
+    names = [meta.schema.column(i).name for i in range(meta.num_columns)]
+    if column not in names:
+        return None, None
+    idx = names.index(column)
+    lows, highs = [], []
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(idx).statistics
+        if stats is None or not stats.has_min_max:
+            return None, None
+        lows.append(int(stats.min))
+        highs.append(int(stats.max))
+    return (min(lows), max(highs)) if lows else (None, None)
 
 
 def latest_checkpoint(lake: str | Path, writer: str) -> dict[str, Any] | None:

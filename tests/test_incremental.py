@@ -241,6 +241,41 @@ def test_a_late_segment_falls_back_to_a_full_rebuild(source: Path, tmp_path: Pat
     assert_same_db(db, full)
 
 
+def test_a_compaction_between_analyses_continues_them(source: Path, tmp_path: Path) -> None:
+    """A live collector's segments merged between two analyses (kvlens compact --today, which
+    ``kvlens analyze --compact`` runs first): the next analysis reads a merged segment as the
+    segments it replaced, so it carries or continues rather than rebuilds, and its DB equals a full
+    analysis of the compacted lake. A merged segment without its list reads as a new one."""
+    from kvlens.compact import compact
+
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(source, 4)
+    cut(source, lake, None, bounds[-1], writer="conv", scenarios=["conv"])
+    for k in range(2):  # one writer, as a live collector: two segments per table
+        cut(source, lake, None if k == 0 else bounds[k], bounds[k + 1], writer="live", scenarios=["rr2"])
+    analyze_lake(lake, db)
+    assert compact(lake, today="1970-01-02", current=True)["segments_replaced"] >= 2
+    assert _modes(analyze_lake(lake, db)) == {"conv": "carried", "rr2": "carried"}
+    cut(source, lake, bounds[2], bounds[3], writer="live", scenarios=["rr2"])
+    compact(lake, today="1970-01-02", current=True)  # merged where it outweighs the merged one
+    result = analyze_lake(lake, db)
+    assert _modes(result) == {"conv": "carried", "rr2": "appended"}
+    (why,) = [reason for scenario, _, reason in result.modes if scenario == "rr2"]
+    assert "ledger continued from its checkpoint" in why, why
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
+    cut(source, lake, bounds[3], bounds[4], writer="live", scenarios=["rr2"])  # not compacted
+    assert _modes(analyze_lake(lake, db)) == {"conv": "carried", "rr2": "appended"}
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
+    merged = sorted((lake / "kv_events" / "scenario=rr2").rglob(".*.sources"))
+    assert merged
+    merged[0].unlink()
+    result = analyze_lake(lake, db)
+    assert _modes(result)["rr2"] == "full" and "gone or rewritten" in dict(
+        (s, why) for s, _, why in result.modes)["rr2"]
+
+
 def test_a_changed_model_or_gone_segment_rebuilds(tiny: Path, tmp_path: Path) -> None:
     lake, db = tmp_path / "lake", tmp_path / "incr.duckdb"
     shutil.copytree(tiny, lake)

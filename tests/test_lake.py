@@ -283,3 +283,103 @@ def test_a_writer_counts_the_bytes_of_the_segments_it_committed(tmp_path: Path) 
     files = segment_files(tmp_path / "lake", "kv_events")
     assert len(files) == w.segments_written == 3
     assert w.bytes_written == sum(Path(f).stat().st_size for f in files) > 0
+
+
+# -- the current day's compaction (kvlens compact --today, kvlens analyze --compact) ----------
+
+
+def _flushes(lake: Path, writer: str, n: int, *, start: int = 0, seq0: int = 0) -> None:
+    """``n`` segments of one row each from ``writer``, as a live collector's flushes write them."""
+    w = SegmentWriter(lake, "kv_events", scenario="live", writer_id=writer)
+    for i in range(start, start + n):
+        w.append_rows([{"ts_ns": 40 * DAY + i, "kind": "stored", "block_hash": i, "replica": writer}])
+        w.flush({"seq": seq0 + i})
+
+
+def _scan(lake: Path) -> list[tuple[object, ...]]:
+    return _views(lake).execute("SELECT replica, block_hash FROM kv_events").fetchall()
+
+
+def test_compact_today_merges_each_writers_run_keeping_order_rows_and_checkpoints(tmp_path: Path) -> None:
+    from kvlens.compact import merged_segments, sidecar
+
+    _flushes(tmp_path, "a", 5)
+    _flushes(tmp_path, "b", 3, start=100)
+    before = _scan(tmp_path)
+    sizes = {f.name: f.stat().st_size for f in segment_files(tmp_path, "kv_events")}
+    assert compact(tmp_path, today="1970-02-10") == {"partitions_merged": 0, "segments_replaced": 0}
+    counts = compact(tmp_path, today="1970-02-10", current=True)
+    assert counts == {"partitions_merged": 2, "segments_replaced": 8}
+    files = segment_files(tmp_path, "kv_events")
+    assert [f.name for f in files] == [sorted(n for n in sizes if n.startswith(w))[-1] for w in "ab"]
+    assert _scan(tmp_path) == before  # the same rows, in the order a scan returned them
+    assert latest_checkpoint(tmp_path, "a") == {"seq": 4} and latest_checkpoint(tmp_path, "b") == {"seq": 102}
+    merged = merged_segments(tmp_path)
+    assert set(merged) == {str(f.relative_to(tmp_path)) for f in files}
+    for f in files:
+        m = merged[str(f.relative_to(tmp_path))]
+        writer = f.name.split("-")[0]
+        assert [Path(s.path).name for s in m.sources] == sorted(n for n in sizes if n.startswith(writer))
+        assert [s.size for s in m.sources] == [sizes[Path(s.path).name] for s in m.sources]
+        assert all(s.oldest_ns == s.newest_ns for s in m.sources)  # one row each, timed
+        assert sidecar(f).exists() and not sidecar(f).name.endswith(".parquet")
+    # more flushes, as large together as the merged one: merged again; the sidecar lists every
+    # original segment, not the merged one
+    _flushes(tmp_path, "a", 5, start=5)
+    assert compact(tmp_path, today="1970-02-10", current=True)["segments_replaced"] == 6
+    (a,) = [f for f in segment_files(tmp_path, "kv_events") if f.name.startswith("a-")]
+    assert len(merged_segments(tmp_path)[str(a.relative_to(tmp_path))].sources) == 10
+    assert len(list((tmp_path / "kv_events").rglob(".a-*.sources"))) == 1  # the old sidecar went too
+    assert _scan(tmp_path) == before[:5] + [("a", i) for i in range(5, 10)] + before[5:]
+    assert latest_checkpoint(tmp_path, "a") == {"seq": 9}
+
+
+def test_compact_today_leaves_a_large_merged_segment_until_the_newer_ones_catch_up(tmp_path: Path) -> None:
+    """A merged segment larger than the newer segments together stays as it is (its rows are not
+    rewritten every period); the newer ones are merged among themselves."""
+    w = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="a")
+    w.append_rows([{"ts_ns": 40 * DAY + i, "kind": "stored", "block_hash": i} for i in range(20_000)])
+    w.flush()
+    _flushes(tmp_path, "a", 3, start=20_000)
+    big = segment_files(tmp_path, "kv_events")[0]
+    assert compact(tmp_path, today="1970-02-10", current=True) == {"partitions_merged": 1, "segments_replaced": 3}
+    files = segment_files(tmp_path, "kv_events")
+    assert len(files) == 2 and files[0] == big
+    assert [r[1] for r in _scan(tmp_path)] == list(range(20_003))
+
+
+def test_compact_today_stops_a_run_at_the_target_size(tmp_path: Path) -> None:
+    _flushes(tmp_path, "a", 6)
+    one = max(f.stat().st_size for f in segment_files(tmp_path, "kv_events"))
+    counts = compact(tmp_path, today="1970-02-10", current=True, target_bytes=3 * one)
+    assert counts == {"partitions_merged": 1, "segments_replaced": 3}  # the newest three
+    assert len(segment_files(tmp_path, "kv_events")) == 4
+    assert [r[1] for r in _scan(tmp_path)] == list(range(6))
+
+
+def test_a_compaction_killed_mid_commit_is_undone(tmp_path: Path) -> None:
+    """A kill between the journal's renames: the next reader puts every segment back, without the
+    merged one, and removes the dead compaction's staging."""
+    import os
+    import subprocess
+    import sys
+
+    _flushes(tmp_path, "a", 4)
+    before = _scan(tmp_path)
+    names = sorted(f.name for f in segment_files(tmp_path, "kv_events"))
+    code = (
+        "import os, sys\nimport kvlens.commit as c\nfrom kvlens.compact import compact\n"
+        "real, done = c._swap_one, []\n"
+        "def swap(entry):\n"
+        "    if len(done) == 3: os._exit(9)\n"
+        "    real(entry); done.append(entry)\n"
+        "c._swap_one = swap\n"
+        "compact(sys.argv[1], today='1970-02-10', current=True)\n")
+    child = subprocess.run([sys.executable, "-c", code, str(tmp_path)], timeout=120)
+    assert child.returncode == 9
+    assert list((tmp_path / ".journal").glob("*.json"))
+    assert _scan(tmp_path) == before  # open_lake recovered first
+    assert sorted(f.name for f in segment_files(tmp_path, "kv_events")) == names
+    assert not list((tmp_path / "kv_events").rglob(".*.sources"))
+    assert not [p for p in (tmp_path / ".staging").glob("*")]
+    assert os.listdir(tmp_path / ".journal") == []
