@@ -131,8 +131,9 @@ def models_cmd() -> None:
 
 @cli.command("compact")
 @opts.compact_options
-def compact_cmd(lake: str, keep: str | None, scenarios: tuple[str, ...]) -> None:
-    """Merge the segments of each closed day into one, atomically; with --keep, drop old days first.
+def compact_cmd(lake: str, keep: str | None, scenarios: tuple[str, ...], today: bool) -> None:
+    """Merge the segments of each closed day into one, atomically; with --keep, drop old days first;
+    with --today, merge the current day's small segments per writer too.
 
     Example: kvlens compact --lake lake --keep 30d --scenario live
     """
@@ -142,7 +143,7 @@ def compact_cmd(lake: str, keep: str | None, scenarios: tuple[str, ...]) -> None
         dropped = drop_old_days(lake, parse_keep_days(keep), scenarios=scenarios)
         click.echo(f"dropped {dropped['days_dropped']} days older than {keep} "
                    f"({dropped['partitions_dropped']} partitions, {dropped['segments_dropped']} segments)")
-    counts = compact(lake)
+    counts = compact(lake, current=today)
     click.echo(f"merged {counts['partitions_merged']} partitions "
                f"({counts['segments_replaced']} segments replaced)")
 
@@ -181,6 +182,12 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
     from kvlens.memory import MemoryGuard, format_bytes, peak_resident_bytes
 
     count, ray, out_of_core = flags.pop("partitions"), flags.pop("ray"), flags.pop("out_of_core")
+    if flags.pop("compact"):
+        from kvlens.compact import compact
+
+        counts = compact(flags["lake"], current=True)
+        click.echo(f"compacted the lake: {counts['segments_replaced']:,} segments merged into "
+                   f"{counts['partitions_merged']:,}", err=True)
     limit = flags["memory_limit"]
     guard: AbstractContextManager[Any] = MemoryGuard(limit) if limit is not None else nullcontext()
     where: AbstractContextManager[Partitions | None]

@@ -243,6 +243,10 @@ analyze_options = options(
     click.option("--full", is_flag=True,
                  help="Rebuild every scenario from the lake; by default a scenario whose lake segments "
                       "are unchanged is copied from the previous DB."),
+    click.option("--compact", "compact", is_flag=True,
+                 help="First merge the lake's small segments (kvlens compact --today): every query reads "
+                      "every segment, and live collectors write one per flush. Keeps the incremental "
+                      "state (kvlens serve's analyses pass it)."),
     click.option("--partitions", type=click.IntRange(min=1), default=None, metavar="K",
                  help="Replay each analyzed scenario's ledger in K block-hash partitions (docs/scale.md): "
                       "the same outcomes, and the same state saved for the next analysis to continue from."),
@@ -400,4 +404,7 @@ compact_options = options(
                       "atomically; the analysis DB is not touched."),
     click.option("--scenario", "scenarios", multiple=True,
                  help="Scenario --keep applies to (repeat); default: all."),
+    click.option("--today", is_flag=True,
+                 help="Also merge the current day's segments, per writer, up to 64 MiB a file (a live "
+                      "collector writes one per flush); the next kvlens analyze continues, not rebuilds."),
 )

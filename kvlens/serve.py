@@ -15,7 +15,8 @@ the grace period):
 
 A child that exits is restarted after a back-off that doubles from ``backoff_s`` up to
 ``backoff_cap_s`` (reset once it has run for the cap), and counted. Every ``analyze_every_s``
-a ``kvlens analyze`` runs as a child too, so a crash or a kill of it cannot take serve down;
+a ``kvlens analyze --compact`` runs as a child too (the collectors' small segments merged first,
+kvlens/compact.py: every query reads every segment), so a crash or a kill of it cannot take serve down;
 it writes the DB under a temporary name and renames it into place (kvlens/analysis_db.py), so
 a ``kill -9`` of serve mid-analysis (the analysis dies with it) leaves the previous DB whole,
 and the next start analyzes at once when the DB is older than one period. serve's own
@@ -118,7 +119,7 @@ def analyze_args(o: ServeOptions) -> list[str]:
     of the requests the gateway recorded with their blocks (``live``), as ``--join`` documents;
     in ``live`` itself, requests without blocks would make the analysis refuse the scenario.
     """
-    args = ["analyze", "--lake", o.lake, "--db", o.db]
+    args = ["analyze", "--lake", o.lake, "--db", o.db, "--compact"]
     if o.analyze_memory_limit is not None:
         args += ["--memory-limit", str(o.analyze_memory_limit)]
     if any((Path(o.lake) / "requests" / f"scenario={SPANS_SCENARIO}").glob("date=*/*.parquet")):
