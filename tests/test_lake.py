@@ -342,7 +342,8 @@ def test_compact_today_leaves_a_large_merged_segment_until_the_newer_ones_catch_
     w.flush()
     _flushes(tmp_path, "a", 3, start=20_000)
     big = segment_files(tmp_path, "kv_events")[0]
-    assert compact(tmp_path, today="1970-02-10", current=True) == {"partitions_merged": 1, "segments_replaced": 3}
+    counts = compact(tmp_path, today="1970-02-10", current=True)
+    assert counts == {"partitions_merged": 1, "segments_replaced": 3}
     files = segment_files(tmp_path, "kv_events")
     assert len(files) == 2 and files[0] == big
     assert [r[1] for r in _scan(tmp_path)] == list(range(20_003))
@@ -383,3 +384,23 @@ def test_a_compaction_killed_mid_commit_is_undone(tmp_path: Path) -> None:
     assert not list((tmp_path / "kv_events").rglob(".*.sources"))
     assert not [p for p in (tmp_path / ".staging").glob("*")]
     assert os.listdir(tmp_path / ".journal") == []
+
+
+def test_the_cli_compacts_today_and_analyze_compact_says_so(tmp_path: Path) -> None:
+    import time
+
+    from click.testing import CliRunner
+
+    from kvlens.cli import cli
+
+    w = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="a")
+    for i in range(3):  # today's rows (the partition of the current UTC day)
+        w.append_rows([{"ts_ns": time.time_ns(), "kind": "stored", "block_hash": i}])
+        w.flush({"seq": i})
+    runner = CliRunner()
+    plain = runner.invoke(cli, ["compact", "--lake", str(tmp_path)])
+    assert plain.exit_code == 0 and "merged 0 partitions" in plain.output  # today's: only with --today
+    today = runner.invoke(cli, ["compact", "--lake", str(tmp_path), "--today"])
+    assert today.exit_code == 0, today.output
+    assert "merged 1 partitions (3 segments replaced)" in today.output
+    assert len(segment_files(tmp_path, "kv_events")) == 1
