@@ -8,6 +8,9 @@ by the set of segments it reads: its own in every lake table, those of its ``--j
 and of its ``--metrics-from`` scenario, and every ``probe_runs`` segment (the cost model reads
 them all). Each is recorded by path, size and modification time, with its oldest row. The
 watermark of a scenario is the newest row time among its segments when it was analyzed.
+``kvlens compact`` merges segments without changing their rows (kvlens/compact.py): a merged
+segment's sidecar lists the segments it replaced, as recorded here, and a merged segment counts
+as those (``scenario_inputs``), so a compaction between two analyses changes no input.
 
 On the next ``kvlens analyze`` each chosen scenario is, in this order:
 
@@ -16,7 +19,8 @@ On the next ``kvlens analyze`` each chosen scenario is, in this order:
   changed: the model geometry (or where it came from), ``--cache-tokens``, ``--join``,
   ``--metrics-from``, the analysis DB's schema version or the analyzers' code (a digest of
   their source files);
-- ``full`` as well when a recorded segment is gone (a re-import, ``kvlens compact``) or a new
+- ``full`` as well when a recorded segment is gone (a re-import, a day dropped by retention, a
+  merged segment whose sidecar is gone) or a new
   segment holds rows older than the previous analysis' *horizon*, its watermark less the lag
   (``late_lag``: ``LATE_LAG_NS``, or more when its live collectors' segments showed rows landing
   later, as the gateway's long requests do): a late segment; the reason is logged;
