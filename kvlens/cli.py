@@ -132,8 +132,8 @@ def models_cmd() -> None:
 @cli.command("compact")
 @opts.compact_options
 def compact_cmd(lake: str, keep: str | None, scenarios: tuple[str, ...], today: bool) -> None:
-    """Merge the segments of each closed day into one, atomically; with --keep, drop old days first;
-    with --today, merge the current day's small segments per writer too.
+    """Merge each writer's segments of each closed day into one, atomically; with --keep, drop old
+    days first; with --today, merge the current day's small segments per writer too.
 
     Example: kvlens compact --lake lake --keep 30d --scenario live
     """
@@ -144,8 +144,7 @@ def compact_cmd(lake: str, keep: str | None, scenarios: tuple[str, ...], today: 
         click.echo(f"dropped {dropped['days_dropped']} days older than {keep} "
                    f"({dropped['partitions_dropped']} partitions, {dropped['segments_dropped']} segments)")
     counts = compact(lake, current=today)
-    click.echo(f"merged {counts['partitions_merged']} partitions "
-               f"({counts['segments_replaced']} segments replaced)")
+    click.echo(f"merged {counts['segments_replaced']:,} segments into {counts['segments_written']:,}")
 
 
 @cli.command("demo")
@@ -187,7 +186,7 @@ def analyze_cmd(model: str | None, model_config: str | None, **flags: Any) -> No
 
         counts = compact(flags["lake"], current=True)
         click.echo(f"compacted the lake: {counts['segments_replaced']:,} segments merged into "
-                   f"{counts['partitions_merged']:,}", err=True)
+                   f"{counts['segments_written']:,}", err=True)
     limit = flags["memory_limit"]
     guard: AbstractContextManager[Any] = MemoryGuard(limit) if limit is not None else nullcontext()
     where: AbstractContextManager[Partitions | None]

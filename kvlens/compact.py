@@ -1,5 +1,5 @@
-"""The spine's compaction and retention: each closed day's segments merged into one, the current
-day's small segments merged per writer (``current=True``, ``kvlens compact --today``), and raw
+"""The spine's compaction and retention: each writer's segments of each closed day merged into one,
+its small segments of the current day too (``current=True``, ``kvlens compact --today``), and raw
 days past the retention dropped, each change committed under the commit journal
 (kvlens/commit.py).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import fcntl
 import json
 import logging
 import os
@@ -34,7 +35,7 @@ import re
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -168,47 +169,57 @@ def _check_lake(root: Path) -> None:
 
 def compact(lake: str | Path, *, today: str | None = None, current: bool = False,
             target_bytes: int = TARGET_BYTES) -> dict[str, int]:
-    """Merge the segments of each closed day (before ``today``, UTC) into one per partition; with
-    ``current``, also each writer's newest segments of the current day (and any later one) while
-    they add up to at most ``target_bytes`` (see the module docstring).
+    """Merge each writer's segments of each closed day (before ``today``, UTC) into one per
+    partition; with ``current``, also each writer's newest segments of the current day (and any
+    later one) while they add up to at most ``target_bytes`` (see the module docstring).
 
-    A closed day's partition directory is rebuilt under staging and swapped in whole; a current
-    one's merged segment replaces the newest of its run and removes the others in one commit (a
-    writer may be adding segments beside them). Returns counts.
+    Per writer, so each writer's newest segment keeps its name and checkpoint (the checkpoint-only
+    segments of every collector share the partition of 1970-01-01); one segment at a time, so a
+    writer adding a segment beside them, to a closed day too (a request that ended after midnight,
+    a checkpoint), loses nothing: the merged segment replaces the newest of its run and removes the
+    others in one commit. One compaction at a time per lake (a lock). Returns counts: merged
+    segments written, segments they replaced.
     """
     root = Path(lake)
     _check_lake(root)
     today = today or time.strftime("%Y-%m-%d", time.gmtime())
-    merged = removed = 0
-    for table in LAKE_TABLES:
-        for day_dir in sorted((root / table.name).glob("scenario=*/date=*")):
-            files = sorted(day_dir.glob("*.parquet"))
-            if day_dir.name[len("date="):] >= today:
-                if current:
-                    runs = _current_runs(files, target_bytes)
-                    for run in runs:
-                        _merge_run(root, run, table)
-                    merged += len(runs)
-                    removed += sum(len(r) for r in runs)
-                continue
-            if len(files) < 2:
-                continue
-            stage = root / STAGING / staging_token() / day_dir.name
-            stage.mkdir(parents=True)
-            # keeps the newest name, so checkpoints still resolve; its sidecar lists the segments
-            _write_merged(root, files, table, stage)
-            swap_in(root, [(stage, day_dir)])
-            shutil.rmtree(stage.parent, ignore_errors=True)
-            merged += 1
-            removed += len(files)
-    return {"partitions_merged": merged, "segments_replaced": removed}
+    written = replaced = 0
+    with _locked(root):
+        for table in LAKE_TABLES:
+            for day_dir in sorted((root / table.name).glob("scenario=*/date=*")):
+                closed = day_dir.name[len("date="):] < today
+                if not closed and not current:
+                    continue
+                for run in _runs(sorted(day_dir.glob("*.parquet")), None if closed else target_bytes):
+                    _merge_run(root, run, table)
+                    written += 1
+                    replaced += len(run)
+    return {"segments_written": written, "segments_replaced": replaced}
 
 
-def _current_runs(files: list[Path], target_bytes: int) -> list[list[Path]]:
-    """Per writer of a current partition (``files`` in name order): the longest run of its newest
-    segments whose sizes add up to at most ``target_bytes``, less its oldest ones while each is
-    larger than the newer ones together, when two or more are left. So a merged segment is merged
-    again once the segments after it have caught up with it (each row is rewritten about log2 of
+@contextlib.contextmanager
+def _locked(root: Path) -> Iterator[None]:
+    """Hold the lake's compaction lock (``kvlens analyze --compact`` and ``kvlens compact`` may run
+    at once: two merges of one run would race)."""
+    try:
+        f = open(root / ".compact.lock", "a")  # noqa: SIM115 (closed below, after the lock's release)
+    except OSError as e:
+        raise ConfigError(f"lake {root}: cannot take the compaction lock ({e}); compaction writes "
+                          "the lake: run it where the lake is writable") from None
+    with f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _runs(files: list[Path], target_bytes: int | None) -> list[list[Path]]:
+    """Per writer of a partition (``files`` in name order), the segments to merge into one: all of
+    them (``target_bytes`` None: a closed day), or the longest run of its newest segments whose
+    sizes add up to at most ``target_bytes``, less its oldest ones while each is larger than the
+    newer ones together; when two or more. So a merged segment of the current day is merged again
+    once the segments after it have caught up with it (each row is rewritten about log2 of
     ``target_bytes`` over a flush's size times, not once a period), and a writer's day stays a few
     files of sizes doubling back in time."""
     by_writer: dict[str, list[Path]] = defaultdict(list)
@@ -218,6 +229,10 @@ def _current_runs(files: list[Path], target_bytes: int) -> list[list[Path]]:
             by_writer[writer].append(f)
     runs = []
     for segments in by_writer.values():
+        if target_bytes is None:
+            if len(segments) >= 2:
+                runs.append(segments)
+            continue
         run: list[tuple[Path, int]] = []
         total = 0
         for f in reversed(segments):

@@ -179,7 +179,7 @@ def test_compact_merges_closed_days_keeps_rows_and_checkpoint(tmp_path: Path) ->
     w.append_rows([{"ts_ns": 40 * DAY, "kind": "stored"}])  # today's partition stays as it is
     w.flush({"seq": 9})
     counts = compact(tmp_path, today="1970-02-10")
-    assert counts == {"partitions_merged": 1, "segments_replaced": 4}
+    assert counts == {"segments_written": 1, "segments_replaced": 4}
     files = segment_files(tmp_path, "kv_events")
     assert len(files) == 2
     con = _views(tmp_path)
@@ -307,9 +307,9 @@ def test_compact_today_merges_each_writers_run_keeping_order_rows_and_checkpoint
     _flushes(tmp_path, "b", 3, start=100)
     before = _scan(tmp_path)
     sizes = {f.name: f.stat().st_size for f in segment_files(tmp_path, "kv_events")}
-    assert compact(tmp_path, today="1970-02-10") == {"partitions_merged": 0, "segments_replaced": 0}
+    assert compact(tmp_path, today="1970-02-10") == {"segments_written": 0, "segments_replaced": 0}
     counts = compact(tmp_path, today="1970-02-10", current=True)
-    assert counts == {"partitions_merged": 2, "segments_replaced": 8}
+    assert counts == {"segments_written": 2, "segments_replaced": 8}
     files = segment_files(tmp_path, "kv_events")
     assert [f.name for f in files] == [sorted(n for n in sizes if n.startswith(w))[-1] for w in "ab"]
     assert _scan(tmp_path) == before  # the same rows, in the order a scan returned them
@@ -343,7 +343,7 @@ def test_compact_today_leaves_a_large_merged_segment_until_the_newer_ones_catch_
     _flushes(tmp_path, "a", 3, start=20_000)
     big = segment_files(tmp_path, "kv_events")[0]
     counts = compact(tmp_path, today="1970-02-10", current=True)
-    assert counts == {"partitions_merged": 1, "segments_replaced": 3}
+    assert counts == {"segments_written": 1, "segments_replaced": 3}
     files = segment_files(tmp_path, "kv_events")
     assert len(files) == 2 and files[0] == big
     assert [r[1] for r in _scan(tmp_path)] == list(range(20_003))
@@ -353,7 +353,7 @@ def test_compact_today_stops_a_run_at_the_target_size(tmp_path: Path) -> None:
     _flushes(tmp_path, "a", 6)
     one = max(f.stat().st_size for f in segment_files(tmp_path, "kv_events"))
     counts = compact(tmp_path, today="1970-02-10", current=True, target_bytes=3 * one)
-    assert counts == {"partitions_merged": 1, "segments_replaced": 3}  # the newest three
+    assert counts == {"segments_written": 1, "segments_replaced": 3}  # the newest three
     assert len(segment_files(tmp_path, "kv_events")) == 4
     assert [r[1] for r in _scan(tmp_path)] == list(range(6))
 
@@ -399,8 +399,22 @@ def test_the_cli_compacts_today_and_analyze_compact_says_so(tmp_path: Path) -> N
         w.flush({"seq": i})
     runner = CliRunner()
     plain = runner.invoke(cli, ["compact", "--lake", str(tmp_path)])
-    assert plain.exit_code == 0 and "merged 0 partitions" in plain.output  # today's: only with --today
+    assert plain.exit_code == 0 and "merged 0 segments" in plain.output  # today's: only with --today
     today = runner.invoke(cli, ["compact", "--lake", str(tmp_path), "--today"])
     assert today.exit_code == 0, today.output
-    assert "merged 1 partitions (3 segments replaced)" in today.output
+    assert "merged 3 segments into 1" in today.output
     assert len(segment_files(tmp_path, "kv_events")) == 1
+
+
+def test_compact_merges_a_closed_day_per_writer_keeping_every_writers_checkpoint(tmp_path: Path) -> None:
+    """The checkpoint-only segments of every collector share the partition of 1970-01-01, a closed
+    day: each writer's are merged into its newest, so each writer's checkpoint still resolves."""
+    for writer in ("a", "b"):
+        w = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id=writer)
+        for i in range(3):
+            w.flush({"seq": i, "writer": writer})  # empty: the checkpoint only, dated 1970-01-01
+    counts = compact(tmp_path, today="1970-02-10")
+    assert counts == {"segments_written": 2, "segments_replaced": 6}
+    assert latest_checkpoint(tmp_path, "a") == {"seq": 2, "writer": "a"}
+    assert latest_checkpoint(tmp_path, "b") == {"seq": 2, "writer": "b"}
+    assert len(segment_files(tmp_path, "kv_events")) == 2
