@@ -67,6 +67,23 @@ def _analyses_ok(metrics_port: int) -> float:
     return float(line.split()[-1]) if line else 0.0
 
 
+def _neighbours(db: Path, ids: list[str], engine: dict[str, int]) -> str:
+    """For a failure's message (CI keeps no files): each differing request with the requests of its
+    replica that arrived within a second of it, in arrival order, as (id, arrival_ns, queue_ms,
+    prompt_tokens, the ledger's hit tokens, the engine's cached tokens): the order the gateway saw
+    them in, against the order the engine's hits imply."""
+    rows = query("SELECT request_id, replica, arrival_ns, queue_ms, prompt_tokens, hit_tokens "
+                 "FROM request_ledger WHERE scenario = 'live' ORDER BY arrival_ns", db=db)[1]
+    by_id = {r[0]: r for r in rows}
+    said = []
+    for k in ids[:3]:
+        own = by_id[k]
+        near = [r[:1] + r[2:] + (engine.get(r[0]),) for r in rows
+                if r[1] == own[1] and abs(r[2] - own[2]) <= 1_000_000_000]
+        said.append(f"{k} on {own[1]}: {near}")
+    return "; ".join(said)
+
+
 def _settled(lake: Path, sent: int) -> Callable[[], bool]:
     """The gateway's ``sent`` requests are in the lake and the events have not changed for QUIET_S."""
     seen: dict[str, Any] = {"n": None, "since": time.monotonic()}
@@ -153,7 +170,8 @@ def test_serve_runs_two_live_engines_and_each_period_equals_a_full_analysis(
             engine = {x["id"]: x["usage"]["prompt_tokens_details"]["cached_tokens"] for x in replies}
             assert ledger.keys() == engine.keys()
             wrong = [(k, ledger[k], engine[k]) for k in engine if ledger[k] != engine[k]]
-            assert not wrong, f"{len(wrong)} of {len(engine)} differ from the engines: {wrong[:3]}"
+            assert not wrong, (f"{len(wrong)} of {len(engine)} differ from the engines: {wrong[:3]}; "
+                               f"{_neighbours(db, [k for k, _, _ in wrong], engine)}")
         assert len(replies) == THREADS * PER_THREAD
         kids = descendants(serve.pid)
         assert len(kids) >= 4  # collect vllm, scrape, gateway, export (maybe an analysis)
