@@ -120,7 +120,7 @@ from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
 from kvlens.analyzers.scans import SCANS_TABLE, ScanState
 from kvlens.analyzers.state_blob import Pending
 from kvlens.commit import wait_for_commits
-from kvlens.compact import Merged
+from kvlens.compact import Merged, Source
 from kvlens.errors import ConfigError
 from kvlens.lake import segment_time_range
 from kvlens.models import ModelGeometry
@@ -173,15 +173,9 @@ _RECORD_PREFIXES = ("probe_runs/", "simulations/")
 _CODE_FILES = ("models.py", "schema.py", "analysis_db.py", "lake.py", "query.py", "routing.py")
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One lake segment a scenario reads: its path under the lake, size, mtime and oldest row."""
-
-    path: str
-    size: int
-    mtime_ns: int
-    oldest_ns: int | None
-    newest_ns: int | None
+# One lake segment a scenario reads: its path under the lake, size, mtime, oldest and newest row.
+# The record a compaction's sidecar lists the segments it replaced with (kvlens/compact.py).
+Segment = Source
 
 
 @dataclass(frozen=True)
@@ -267,7 +261,7 @@ def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int,
                 continue
             replaced = merged.get(path)
             if replaced is not None and replaced.size == size:
-                picked.extend(Segment(**dataclasses.asdict(s)) for s in replaced.sources)
+                picked.extend(replaced.sources)
                 continue
             old = seen.get(path)
             if old is not None and (old.size, old.mtime_ns) == (size, mtime):

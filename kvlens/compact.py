@@ -61,7 +61,9 @@ _SIDECAR_VERSION = 1
 
 @dataclass(frozen=True)
 class Source:
-    """One segment a merged segment replaced, as analyzers/incremental.py records a segment."""
+    """One lake segment: its path under the lake, size, mtime, oldest and newest row time; what
+    analyzers/incremental.py records a scenario's inputs as (its ``Segment``), and what a merged
+    segment's sidecar lists the segments it replaced as."""
 
     path: str  # under the lake
     size: int
