@@ -277,11 +277,15 @@ def drop_old_days(lake: str | Path, keep_days: int, *, scenarios: tuple[str, ...
     """Drop the raw partitions dated before ``today - keep_days`` (UTC), a whole day at a time: every
     row dropped is older than ``keep_days`` days, and the current day is never touched.
 
-    Every table's partitions of one day (of ``scenarios``, default all) go in one commit
+    Every table's segments of one day (of ``scenarios``, default all) go in one commit
     (kvlens/commit.py's journal: a reader or a crash sees the day whole or gone, never one
-    table without the other). Segments that hold no rows stay: they carry writers' checkpoints
-    (an empty segment is dated 1970-01-01), and a collector that restarts resumes from them.
-    The analysis DB is a separate file and is not touched. Returns counts.
+    table without the other). The commit removes the segments listed, one by one, not the
+    partitions: a segment a writer adds to an old partition meanwhile stays (a request that ended
+    after midnight; a checkpoint: every collector's checkpoint-only segments are dated 1970-01-01,
+    a partition every retention reaches). Segments that hold no rows stay: they carry writers'
+    checkpoints, and a collector that restarts resumes from them. Under the compaction lock, so a
+    merge never writes back a day being dropped. The analysis DB is a separate file and is not
+    touched. Returns counts.
     """
     root = Path(lake)
     _check_lake(root)
@@ -290,35 +294,31 @@ def drop_old_days(lake: str | Path, keep_days: int, *, scenarios: tuple[str, ...
     today = today or time.strftime("%Y-%m-%d", time.gmtime())
     # a day D is dropped when it ended at least keep_days before today began: its every row is older
     cutoff = (dt.date.fromisoformat(today) - dt.timedelta(days=keep_days)).isoformat()
-    days: dict[str, list[Path]] = defaultdict(list)
-    for table in LAKE_TABLES:
-        for day_dir in sorted((root / table.name).glob("scenario=*/date=*")):
-            scenario = day_dir.parent.name[len("scenario="):]
-            if day_dir.name[len("date="):] < cutoff and (not scenarios or scenario in scenarios):
-                days[day_dir.name].append(day_dir)
     dropped_days = partitions = segments = 0
-    for day in sorted(days):
-        stage_root = root / STAGING / staging_token()
-        pairs, gone = [], 0
-        for i, day_dir in enumerate(days[day]):
-            files = sorted(day_dir.glob("*.parquet"))
-            keep = [f for f in files if _empty(f)]
-            if len(keep) == len(files):
-                continue  # nothing but checkpoints: nothing to drop
-            stage = stage_root / str(i) / day_dir.name
-            stage.mkdir(parents=True)
-            for f in keep:
-                shutil.copy2(f, stage / f.name)
-            pairs.append((stage, day_dir))
-            gone += len(files) - len(keep)
-        if pairs:
-            swap_in(root, pairs)
-            for _, day_dir in pairs:
-                _remove_if_empty(day_dir)
-            dropped_days += 1
-            partitions += len(pairs)
-            segments += gone
-        shutil.rmtree(stage_root, ignore_errors=True)
+    with _locked(root):
+        days: dict[str, list[Path]] = defaultdict(list)
+        for table in LAKE_TABLES:
+            for day_dir in sorted((root / table.name).glob("scenario=*/date=*")):
+                scenario = day_dir.parent.name[len("scenario="):]
+                if day_dir.name[len("date="):] < cutoff and (not scenarios or scenario in scenarios):
+                    days[day_dir.name].append(day_dir)
+        for day in sorted(days):
+            pairs: list[tuple[Path | None, Path]] = []
+            touched = 0
+            for day_dir in days[day]:
+                drop = [f for f in sorted(day_dir.glob("*.parquet")) if not _empty(f)]
+                touched += bool(drop)
+                for f in drop:
+                    pairs.append((None, f))
+                    if sidecar(f).exists():  # a merged segment's record of what it replaced
+                        pairs.append((None, sidecar(f)))
+                segments += len(drop)
+            if pairs:
+                swap_in(root, pairs)
+                for day_dir in days[day]:
+                    _remove_if_empty(day_dir)
+                dropped_days += 1
+                partitions += touched
     return {"days_dropped": dropped_days, "partitions_dropped": partitions, "segments_dropped": segments}
 
 

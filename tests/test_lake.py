@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+import kvlens.compact as compact_module
 from kvlens.compact import compact, drop_old_days, parse_keep_days
 from kvlens.errors import ConfigError, SchemaVersionError
 from kvlens.lake import SegmentWriter, latest_checkpoint, open_lake, segment_files
@@ -212,6 +213,53 @@ def test_retention_drops_whole_old_days_keeps_checkpoints_and_today(tmp_path: Pa
     assert drop_old_days(tmp_path, 10, scenarios=("live",), today="1970-02-10")["days_dropped"] == 0
     assert drop_old_days(tmp_path, 1, today="1970-02-10")["days_dropped"] == 4  # conv too; never today
     assert con.execute("SELECT list(DISTINCT block_hash) FROM kv_events").fetchone() == ([40],)
+
+
+def test_retention_keeps_what_a_writer_adds_to_an_old_day_while_it_drops_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Retention lists a day's segments, then commits their removal. A writer adding a segment to
+    # that day in between (a request that ended after midnight; a checkpoint: checkpoint-only
+    # segments are dated 1970-01-01, a day every retention drops) keeps it: the commit removes the
+    # segments listed, not the partition (before, the partition was swapped out whole).
+    kv = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="live-a")
+    for day in (1, 2, 30):
+        kv.append_rows([{"ts_ns": day * DAY + 7, "kind": "stored", "block_hash": day}])
+        kv.flush({"seq": day})
+    kv.flush({"seq": 50})  # a checkpoint-only segment, dated 1970-01-01
+    real_swap = compact_module.swap_in
+
+    def writer_meanwhile(root: Path, pairs: list[tuple[Path | None, Path]]) -> None:
+        if not late_written:  # the first day's commit (1970-01-02): a segment lands in that day
+            late = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="live-a")
+            late.append_rows([{"ts_ns": 1 * DAY + 9, "kind": "stored", "block_hash": 1000}])
+            late.flush({"seq": 60})
+            late.flush({"seq": 61})  # and a newer checkpoint-only segment
+            late_written.append(True)
+        real_swap(root, pairs)
+
+    late_written: list[bool] = []
+
+    monkeypatch.setattr(compact_module, "swap_in", writer_meanwhile)
+    counts = drop_old_days(tmp_path, 10, today="1970-02-10")
+    assert counts == {"days_dropped": 2, "partitions_dropped": 2, "segments_dropped": 2}
+    con = _views(tmp_path)
+    assert con.execute("SELECT list(block_hash ORDER BY block_hash) FROM kv_events").fetchone() == ([30, 1000],)
+    assert latest_checkpoint(tmp_path, "live-a") == {"seq": 61}
+    assert not list(tmp_path.glob(".staging/*")) and not list(tmp_path.glob(".trash/*"))
+
+
+def test_retention_drops_a_merged_segments_record_with_it(tmp_path: Path) -> None:
+    # A merged segment of the current day carries a hidden record of the segments it replaced
+    # (compact.sidecar); once its day is dropped, the record goes in the same commit.
+    kv = SegmentWriter(tmp_path, "kv_events", scenario="live", writer_id="live-a")
+    for i in range(3):
+        kv.append_rows([{"ts_ns": 3 * DAY + i, "kind": "stored", "block_hash": i}])
+        kv.flush({"seq": i})
+    assert compact(tmp_path, today="1970-01-04", current=True)["segments_replaced"] == 3
+    day = tmp_path / "kv_events" / "scenario=live" / "date=1970-01-04"
+    assert len(list(day.glob(".*.sources"))) == 1
+    assert drop_old_days(tmp_path, 1, today="1970-01-10")["segments_dropped"] == 1
+    assert not day.exists()
 
 
 @pytest.mark.parametrize("text", ["0d", "30", "1w", "-3d"])
