@@ -243,7 +243,7 @@ def analyze_scenario(con: duckdb.DuckDBPyConnection, scenario: str, model: Model
     if result.appended is not None and result.replaced is not None and plan.resume is not None \
             and plan.resume.requests is not None:
         # the requests the continued ledger did not replay keep their previous sums
-        settled = rows_of(plan.resume.requests).filter(~pl.col("request_id").is_in(result.replaced.implode()))
+        settled = rows_of(plan.resume.requests, result.replaced)
         summed = result.appended
     per_request = mark_incomplete(request_ledger(block_outcomes=summed, requests=requests, settled=settled),
                                   gaps, clears)

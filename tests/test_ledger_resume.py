@@ -387,6 +387,28 @@ def test_a_prefetch_reads_its_scenarios_rows_in_order_and_raises_on_the_callers_
     con.close()
 
 
+def test_a_prefetch_drops_the_replayed_requests_rows_on_its_thread_keeping_the_order(tmp_path: Path) -> None:
+    # A continuation replaces the rows of the requests it replays: the prefetch started with their
+    # ids drops them as it reads (off the caller's thread); taken with other ids, those go too; a
+    # relation (no prefetch) is filtered alike. The rest stay in the order they were written.
+    con = duckdb.connect(str(tmp_path / "prev.duckdb"))
+    con.execute("CREATE TABLE t AS SELECT 's' AS scenario, 'r' || (i % 7) AS request_id, (1000 - i) AS v "
+                "FROM range(700) r(i)")
+    ids = pl.Series("request_id", ["r2", "r5"])
+    want = [v for (v, r) in con.execute("SELECT v, request_id FROM t").fetchall() if r not in ("r2", "r5")]
+    started = Prefetch(con, "t", "s")
+    started.start(excluding=ids)
+    assert rows_of(started, ids)["v"].to_list() == want
+    other = Prefetch(con, "t", "s")
+    other.start(excluding=pl.Series("request_id", ["r2"]))
+    assert rows_of(other, ids)["v"].to_list() == want  # the ids given to take win
+    unstarted = Prefetch(con, "t", "s")
+    assert rows_of(unstarted, ids)["v"].to_list() == want
+    assert rows_of(con.table("t"), ids)["v"].to_list() == want
+    assert len(rows_of(con.table("t"))) == 700
+    con.close()
+
+
 def test_a_state_blob_keeps_every_array_exactly_and_refuses_a_damaged_one() -> None:
     """The ledger state's arrays (state_blob.pack_arrays) come back with their values, dtypes and
     shapes, writable (the replay writes into a restored state's copies), empty and 2-D ones too; a
