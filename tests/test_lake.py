@@ -243,7 +243,8 @@ def test_retention_keeps_what_a_writer_adds_to_an_old_day_while_it_drops_it(
     counts = drop_old_days(tmp_path, 10, today="1970-02-10")
     assert counts == {"days_dropped": 2, "partitions_dropped": 2, "segments_dropped": 2}
     con = _views(tmp_path)
-    assert con.execute("SELECT list(block_hash ORDER BY block_hash) FROM kv_events").fetchone() == ([30, 1000],)
+    got = con.execute("SELECT list(block_hash ORDER BY block_hash) FROM kv_events").fetchone()
+    assert got == ([30, 1000],)
     assert latest_checkpoint(tmp_path, "live-a") == {"seq": 61}
     assert not list(tmp_path.glob(".staging/*")) and not list(tmp_path.glob(".trash/*"))
 
