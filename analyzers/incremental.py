@@ -120,7 +120,7 @@ from kvlens.analyzers.reuse import REUSE_STATE_TABLE, ReuseState
 from kvlens.analyzers.scans import SCANS_TABLE, ScanState
 from kvlens.analyzers.state_blob import Pending
 from kvlens.commit import wait_for_commits
-from kvlens.compact import Merged, Source
+from kvlens.compact import Merged, Source, source_record, unit
 from kvlens.errors import ConfigError
 from kvlens.lake import segment_time_range
 from kvlens.models import ModelGeometry
@@ -186,6 +186,9 @@ class Inputs:
     segments: tuple[Segment, ...]
     # the horizon the analysis of these inputs kept its states at (``horizon``), once analyzed
     horizon_ns: int | None = None
+    # what ``write_state`` records, where it differs from ``segments``: a closed day's merged segment
+    # as itself rather than the segments it replaced (``scenario_inputs``)
+    recorded: tuple[Segment, ...] | None = None
 
     @property
     def watermark_ns(self) -> int | None:
@@ -248,28 +251,41 @@ def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int,
     (from ``known`` where the same file was seen before, else from its Parquet statistics). A
     merged segment of ``merged`` (kvlens/compact.py: a compaction's, with the segments it replaced)
     is read as the segments it replaced, as they were recorded: the same rows, so a compaction
-    between two analyses changes none of the inputs the next one compares."""
+    between two analyses changes none of the inputs the next one compares. A closed day's merged
+    segment is then recorded as itself (``recorded``, compact.unit), and read so from then on (its
+    sidecar unread): a scenario's record of a closed day is a few segments, not one per flush."""
     read = {scenario, *join} | ({metrics_from} if metrics_from else set())
     seen = {s.path: s for s in known.segments} if known else {}
     merged = merged or {}
     picked: list[Segment] = []
+    recorded: list[Segment] = []
     for table in LAKE_TABLES:
         prefixes = ([f"{table.name}/"] if table.name in _GLOBAL_TABLES
                     else [f"{table.name}/scenario={s}/" for s in sorted(read)])
         for path, (size, mtime) in segments.items():
             if not path.startswith(tuple(prefixes)):
                 continue
+            old = seen.get(path)
+            if old is not None and old.merged and (old.size, old.mtime_ns) == (size, mtime):
+                picked.append(old)
+                recorded.append(old)
+                continue
             replaced = merged.get(path)
             if replaced is not None and replaced.size == size:
                 picked.extend(replaced.sources)
+                if replaced.closed:
+                    recorded.append(unit(path, size, mtime, replaced.sources))
+                else:
+                    recorded.extend(replaced.sources)
                 continue
-            old = seen.get(path)
             if old is not None and (old.size, old.mtime_ns) == (size, mtime):
                 picked.append(old)
+                recorded.append(old)
                 continue
             oldest, newest = segment_time_range(Path(lake) / path, table.time_column)
             picked.append(Segment(path, size, mtime, oldest, newest))
-    return Inputs(config, tuple(picked))
+            recorded.append(picked[-1])
+    return Inputs(config, tuple(picked), recorded=tuple(recorded) if recorded != picked else None)
 
 
 def previous_state(con: duckdb.DuckDBPyConnection, db: Path) -> dict[str, Inputs] | str:
@@ -391,7 +407,7 @@ def late_lag(inputs: Inputs) -> int:
     mark = inputs.watermark_ns
     seen = [s.mtime_ns - s.oldest_ns for s in inputs.segments
             if s.oldest_ns is not None and s.newest_ns is not None and mark is not None
-            and not s.path.startswith(_RECORD_PREFIXES)
+            and not s.path.startswith(_RECORD_PREFIXES) and not s.merged  # (its mtime is its merge's)
             and abs(s.mtime_ns - s.newest_ns) <= LIVE_WINDOW_NS and s.newest_ns >= mark - LATE_SEEN_NS]
     return min(max([LATE_LAG_NS, *(late + late // 4 for late in seen)]), MAX_LATE_LAG_NS)
 
@@ -581,7 +597,8 @@ def write_state(con: duckdb.DuckDBPyConnection, scenario: str, inputs: Inputs, d
     """Record what ``scenario`` was analyzed from, and the horizon ``edge`` its states were kept at,
     in the DB being built (committed with it)."""
     con.execute(CREATE_STATE_SQL)
-    segments = json.dumps([dataclasses.asdict(s) for s in inputs.segments])
+    listed = inputs.segments if inputs.recorded is None else inputs.recorded
+    segments = json.dumps([source_record(s) for s in listed])
     con.execute(INSERT_STATE_SQL,
                 [scenario, inputs.config, segments, inputs.watermark_ns, decision.mode, edge])
 

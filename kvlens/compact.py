@@ -20,7 +20,11 @@ it a hidden sidecar (``.<name>.sources``) lists the segments it replaced, each a
 incremental state records a segment (path under the lake, size, modification time, oldest and
 newest row time): ``kvlens analyze`` reads a merged segment as those segments
 (analyzers/incremental.py), so a compaction neither rebuilds the analysis nor changes a row of
-it. The sidecar of a merged segment that is merged again is carried into the new one.
+it. The sidecar of a merged segment of the current day that is merged again is carried into the
+new one. A closed day's merged segment is different: once an analysis has read it as its
+sources, the analysis records it as itself (``unit``), and a later merge of its day (a late
+segment) lists it so; what a scenario's state lists stays a few records per closed day and
+writer rather than every flush the lake keeps (a gateway flushing every second: 86,400 a day).
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ import re
 import shutil
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,8 +52,8 @@ from kvlens.errors import ConfigError
 from kvlens.lake import lake_info, segment_time_range, segment_writer
 from kvlens.schema import LAKE_TABLES, Table, arrow_schema
 
-__all__ = ["TARGET_BYTES", "Merged", "Source", "compact", "drop_old_days", "merged_segments",
-           "parse_keep_days", "sidecar"]
+__all__ = ["TARGET_BYTES", "Merged", "MergedSegments", "Source", "compact", "drop_old_days",
+           "merged_segments", "parse_keep_days", "sidecar", "source_record", "unit"]
 
 log = logging.getLogger(__name__)
 
@@ -70,15 +74,42 @@ class Source:
     mtime_ns: int
     oldest_ns: int | None
     newest_ns: int | None
+    # A closed day's merged segment, recorded as itself (``unit``): its oldest and newest row are its
+    # sources', and its modification time is the merge's, not when a collector wrote its rows.
+    merged: bool = False
+
+
+def source_record(source: Source) -> dict[str, object]:
+    """``source`` as JSON (a sidecar's, an analysis state's): without ``merged`` unless set, as
+    most are not (a state lists every segment a scenario reads)."""
+    record = asdict(source)
+    if not source.merged:
+        del record["merged"]
+    return record
 
 
 @dataclass(frozen=True)
 class Merged:
-    """A merged segment's sidecar: its own size (a sidecar of another file is ignored) and the
-    segments it replaced, in name order."""
+    """A merged segment's sidecar: its own size (a sidecar of another file is ignored), the
+    segments it replaced, in name order, and whether it merged a closed day (``closed``: then it
+    is recorded as itself once an analysis has read it, ``unit``)."""
 
     size: int
     sources: tuple[Source, ...]
+    closed: bool = False
+
+
+def unit(path: str, size: int, mtime_ns: int, sources: Iterable[Source]) -> Source:
+    """A closed day's merged segment as one record, its rows' times those of ``sources`` (the
+    segments its sidecar lists). A scenario's inputs list it so once an analysis has read it as
+    its sources (analyzers/incremental.py), and a later merge of the day (a late segment) lists it
+    so among its sources: what a scenario records stays a few records per closed day and writer,
+    not one per flush of the day (a collector's every few seconds: tens of thousands)."""
+    listed = list(sources)
+    oldest = [s.oldest_ns for s in listed if s.oldest_ns is not None]
+    newest = [s.newest_ns for s in listed if s.newest_ns is not None]
+    return Source(path, size, mtime_ns, min(oldest) if oldest else None, max(newest) if newest else None,
+                  merged=True)
 
 
 def sidecar(segment: Path) -> Path:
@@ -93,7 +124,8 @@ def _read_sidecar(segment: Path) -> Merged | None:
     path = sidecar(segment)
     try:
         record = json.loads(path.read_text())
-        merged = Merged(int(record["size"]), tuple(Source(**s) for s in record["sources"]))
+        merged = Merged(int(record["size"]), tuple(Source(**s) for s in record["sources"]),
+                        bool(record.get("closed", False)))
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
@@ -105,27 +137,57 @@ def _read_sidecar(segment: Path) -> Merged | None:
     return merged
 
 
-def merged_segments(lake: str | os.PathLike[str]) -> dict[str, Merged]:
-    """Every merged segment of the lake with its sidecar, by path under the lake."""
-    root = Path(lake)
-    out = {}
-    for table in LAKE_TABLES:
-        for path in sorted((root / table.name).glob("scenario=*/date=*/.*.sources")):
-            segment = path.with_name(path.name[1:-len(".sources")])
-            if segment.exists():
-                merged = _read_sidecar(segment)
-                if merged is not None:
-                    out[str(segment.relative_to(root))] = merged
-    return out
+class MergedSegments(Mapping[str, Merged]):
+    """The merged segments of a lake with their sidecars, by path under the lake; a sidecar is read
+    when its segment is looked up (an analysis looks up only the merged segments it has not
+    recorded as themselves: a lake kept 30 days holds the sidecars of every closed day)."""
+
+    def __init__(self, root: Path) -> None:
+        self._root = root
+        self._paths = {}
+        for table in LAKE_TABLES:
+            for path in sorted((root / table.name).glob("scenario=*/date=*/.*.sources")):
+                segment = path.with_name(path.name[1:-len(".sources")])
+                self._paths[str(segment.relative_to(root))] = segment
+        self._read: dict[str, Merged | None] = {}
+
+    def _get(self, key: str) -> Merged | None:
+        if key not in self._read:
+            segment = self._paths.get(key)
+            self._read[key] = _read_sidecar(segment) if segment is not None and segment.exists() else None
+        return self._read[key]
+
+    def __getitem__(self, key: str) -> Merged:
+        merged = self._get(key)
+        if merged is None:
+            raise KeyError(key)
+        return merged
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([key for key in self._paths if self._get(key) is not None])
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def merged_segments(lake: str | os.PathLike[str]) -> MergedSegments:
+    """Every merged segment of the lake with its sidecar, by path under the lake (each sidecar read
+    when looked up)."""
+    return MergedSegments(Path(lake))
 
 
 def _sources(root: Path, files: Iterable[Path], table: Table) -> list[Source]:
-    """The original segments of ``files`` (a merged one's from its sidecar), as recorded."""
+    """The segments ``files`` replace, as recorded: a merged one's from its sidecar (a closed day's
+    as itself, ``unit``), the others as they are."""
     out: list[Source] = []
     for f in files:
         merged = _read_sidecar(f)
         if merged is not None:
-            out.extend(merged.sources)
+            if merged.closed:
+                st = f.stat()
+                out.append(unit(str(f.relative_to(root)), st.st_size, st.st_mtime_ns, merged.sources))
+            else:
+                out.extend(merged.sources)
             continue
         st = f.stat()
         oldest, newest = segment_time_range(f, table.time_column)
@@ -133,9 +195,10 @@ def _sources(root: Path, files: Iterable[Path], table: Table) -> list[Source]:
     return out
 
 
-def _write_merged(root: Path, files: list[Path], table: Table, stage: Path) -> tuple[Path, Path]:
+def _write_merged(root: Path, files: list[Path], table: Table, stage: Path,
+                  closed: bool) -> tuple[Path, Path]:
     """``files`` (name order) merged into ``stage`` under the newest one's name, with its metadata,
-    and its sidecar beside it: (segment, sidecar), staged."""
+    and its sidecar beside it (``closed``: a closed day's merge): (segment, sidecar), staged."""
     parts = [read_segment(f, arrow_schema(table)) for f in files]  # (a damaged one: named, moved aside)
     sources = _sources(root, files, table)
     last_meta = segment_schema(files[-1]).metadata or {}
@@ -146,8 +209,8 @@ def _write_merged(root: Path, files: list[Path], table: Table, stage: Path) -> t
         os.fsync(f.fileno())
     side = sidecar(out)
     with open(side, "w") as text:
-        json.dump({"version": _SIDECAR_VERSION, "size": out.stat().st_size,
-                   "sources": [asdict(s) for s in sources]}, text)
+        json.dump({"version": _SIDECAR_VERSION, "size": out.stat().st_size, "closed": closed,
+                   "sources": [source_record(s) for s in sources]}, text)
         text.flush()
         os.fsync(text.fileno())
     return out, side
@@ -193,7 +256,7 @@ def compact(lake: str | Path, *, today: str | None = None, current: bool = False
                 if not closed and not current:
                     continue
                 for run in _runs(sorted(day_dir.glob("*.parquet")), None if closed else target_bytes):
-                    _merge_run(root, run, table)
+                    _merge_run(root, run, table, closed)
                     written += 1
                     replaced += len(run)
     return {"segments_written": written, "segments_replaced": replaced}
@@ -250,13 +313,13 @@ def _runs(files: list[Path], target_bytes: int | None) -> list[list[Path]]:
     return runs
 
 
-def _merge_run(root: Path, run: list[Path], table: Table) -> None:
+def _merge_run(root: Path, run: list[Path], table: Table, closed: bool) -> None:
     """One writer's run of segments merged into its newest, in one commit: the merged segment and
     its sidecar replace the newest; the others, and their sidecars, go."""
     stage = root / STAGING / staging_token()
     stage.mkdir(parents=True)
     try:
-        out, side = _write_merged(root, run, table, stage)
+        out, side = _write_merged(root, run, table, stage, closed)
         newest = run[-1]
         pairs: list[tuple[Path | None, Path]] = [(out, newest), (side, sidecar(newest))]
         for f in run[:-1]:

@@ -4,6 +4,7 @@ growing lake, the incrementally kept analysis DB equals a full analysis of the l
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
 import shutil
@@ -274,6 +275,58 @@ def test_a_compaction_between_analyses_continues_them(source: Path, tmp_path: Pa
     result = analyze_lake(lake, db)
     assert _modes(result)["rr2"] == "full" and "gone or rewritten" in dict(
         (s, why) for s, _, why in result.modes)["rr2"]
+
+
+def _recorded(db: Path, scenario: str) -> list[dict[str, object]]:
+    con = duckdb.connect(str(db), read_only=True)
+    try:
+        ((segments,),) = con.execute(f"SELECT segments FROM {STATE_TABLE} WHERE scenario = ?",
+                                     [scenario]).fetchall()
+    finally:
+        con.close()
+    return list(json.loads(segments))
+
+
+def test_a_closed_days_merged_segment_is_recorded_as_itself(source: Path, tmp_path: Path) -> None:
+    """A closed day's merge (kvlens compact) is read once as the segments it replaced, then recorded
+    as itself: a scenario's record of a closed day stays one segment per writer and table, not one
+    per flush (a live collector's every few seconds: tens of thousands a day, kept as long as the
+    lake keeps the day), and its sidecar is not read again. A late segment merged into the day
+    later lists it so: the analyses carry or continue, and equal a full analysis."""
+    from kvlens.compact import compact
+
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(source, 4)
+    for k in range(2):
+        cut(source, lake, None if k == 0 else bounds[k], bounds[k + 1], writer="live", scenarios=["rr2"])
+    analyze_lake(lake, db)
+    originals = _recorded(db, "rr2")
+    assert not any(r.get("merged") for r in originals)
+    assert compact(lake, today="2099-01-01")["segments_replaced"] == len(originals)  # the day closed
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "carried"}
+    units = _recorded(db, "rr2")
+    files = sorted(str(f.relative_to(lake)) for f in lake.rglob("*.parquet") if "/scenario=rr2/" in str(f))
+    assert sorted(str(r["path"]) for r in units) == files and all(r["merged"] for r in units)
+    assert len(units) < len(originals)
+    by_dir = {Path(str(r["path"])).parent: r for r in units}  # (one writer: one per partition)
+    for r in originals:  # each record spans the times of the segments it replaced
+        u = by_dir[Path(str(r["path"])).parent]
+        if r["oldest_ns"] is not None:
+            assert int(str(u["oldest_ns"])) <= int(str(r["oldest_ns"]))
+            assert int(str(r["newest_ns"])) <= int(str(u["newest_ns"]))
+    aside = {side: side.read_bytes() for side in lake.rglob(".*.sources")}
+    for side in aside:  # read no more: an analysis carries without them
+        side.unlink()
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "carried"}
+    for side, text in aside.items():  # (a later merge of the day reads them)
+        side.write_bytes(text)
+    cut(source, lake, bounds[2], bounds[3], writer="live", scenarios=["rr2"])  # late into the closed day
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "appended"}
+    assert compact(lake, today="2099-01-01")["segments_written"] >= 1  # the day's merge and the new one
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "carried"}
+    assert all(r.get("merged") for r in _recorded(db, "rr2"))
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
 
 
 def test_a_changed_model_or_gone_segment_rebuilds(tiny: Path, tmp_path: Path) -> None:
