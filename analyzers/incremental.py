@@ -250,42 +250,89 @@ def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int,
     """The segments of ``segments`` (a ``snapshot``) that ``scenario`` reads, with their row times
     (from ``known`` where the same file was seen before, else from its Parquet statistics). A
     merged segment of ``merged`` (kvlens/compact.py: a compaction's, with the segments it replaced)
-    is read as the segments it replaced, as they were recorded: the same rows, so a compaction
-    between two analyses changes none of the inputs the next one compares. A closed day's merged
-    segment is then recorded as itself (``recorded``, compact.unit), and read so from then on (its
-    sidecar unread): a scenario's record of a closed day is a few segments, not one per flush."""
+    is read as the segments it replaced, as they were recorded (a merged one among them as itself
+    where ``known`` recorded it so, else as its own): the same rows, so a compaction between two
+    analyses changes none of the inputs the next one compares.
+
+    What is recorded for the next analysis (``recorded``) lists a merged segment as itself
+    (compact.unit) once it is settled: a closed day's, or one whose newest row is older than the
+    watermark less ``LATE_SEEN_NS`` (``late_lag`` reads only newer segments' write times); from then
+    on it is read so, its sidecar unread. A scenario's record is then a few segments per writer and
+    day, plus the last hours' flushes, not one per flush the lake keeps."""
     read = {scenario, *join} | ({metrics_from} if metrics_from else set())
     seen = {s.path: s for s in known.segments} if known else {}
     merged = merged or {}
     picked: list[Segment] = []
-    recorded: list[Segment] = []
+    # per segment: its records, or (its record as itself, its sidecar's) when recorded below
+    items: list[list[Segment] | tuple[Segment, Merged]] = []
     for table in LAKE_TABLES:
         prefixes = ([f"{table.name}/"] if table.name in _GLOBAL_TABLES
                     else [f"{table.name}/scenario={s}/" for s in sorted(read)])
         for path, (size, mtime) in segments.items():
             if not path.startswith(tuple(prefixes)):
                 continue
-            old = seen.get(path)
-            if old is not None and old.merged and (old.size, old.mtime_ns) == (size, mtime):
+            old = seen.get(path)  # (a merged segment takes the name of the newest it replaced)
+            same = old is not None and (old.size, old.mtime_ns) == (size, mtime)
+            if old is not None and same and (old.merged or path not in merged):
                 picked.append(old)
-                recorded.append(old)
+                items.append([old])
                 continue
             replaced = merged.get(path)
             if replaced is not None and replaced.size == size:
-                picked.extend(replaced.sources)
-                if replaced.closed:
-                    recorded.append(unit(path, size, mtime, replaced.sources))
-                else:
-                    recorded.extend(replaced.sources)
-                continue
-            if old is not None and (old.size, old.mtime_ns) == (size, mtime):
-                picked.append(old)
-                recorded.append(old)
+                picked.extend(_as_known(replaced, seen))
+                items.append((unit(path, size, mtime, replaced.sources), replaced))
                 continue
             oldest, newest = segment_time_range(Path(lake) / path, table.time_column)
             picked.append(Segment(path, size, mtime, oldest, newest))
-            recorded.append(picked[-1])
+            items.append([picked[-1]])
+    mark = Inputs(config, tuple(picked)).watermark_ns
+    cutoff = None if mark is None else mark - LATE_SEEN_NS
+    recorded: list[Segment] = []
+    for item in items:
+        if isinstance(item, list):
+            recorded.extend(item)
+        else:
+            itself, replaced = item
+            recorded.extend([itself] if replaced.closed or _settled(itself, cutoff)
+                            else _settled_as_units(replaced, seen, cutoff))
     return Inputs(config, tuple(picked), recorded=tuple(recorded) if recorded != picked else None)
+
+
+def _known_unit(source: Segment, seen: Mapping[str, Segment]) -> Segment | None:
+    old = seen.get(source.path)
+    same = old is not None and (old.size, old.mtime_ns) == (source.size, source.mtime_ns)
+    return old if old is not None and old.merged and same else None
+
+
+def _settled(source: Segment, cutoff: int | None) -> bool:
+    return cutoff is not None and source.newest_ns is not None and source.newest_ns < cutoff
+
+
+def _as_known(replaced: Merged, seen: Mapping[str, Segment]) -> list[Segment]:
+    """The segments a merged segment replaced, each merged one as itself where ``seen`` recorded
+    it so, else as the segments it replaced in turn."""
+    out: list[Segment] = []
+    for source, nested in zip(replaced.sources, replaced.inner(), strict=True):
+        if nested is None:
+            out.append(source)
+        else:
+            itself = _known_unit(source, seen)
+            out.extend([itself] if itself is not None else _as_known(nested, seen))
+    return out
+
+
+def _settled_as_units(replaced: Merged, seen: Mapping[str, Segment], cutoff: int | None) -> list[Segment]:
+    """``_as_known``, with every merged one that is settled (``scenario_inputs``) as itself."""
+    out: list[Segment] = []
+    for source, nested in zip(replaced.sources, replaced.inner(), strict=True):
+        if nested is None:
+            out.append(source)
+        else:
+            itself = _known_unit(source, seen)
+            if itself is None and (nested.closed or _settled(source, cutoff)):
+                itself = source
+            out.extend([itself] if itself is not None else _settled_as_units(nested, seen, cutoff))
+    return out
 
 
 def previous_state(con: duckdb.DuckDBPyConnection, db: Path) -> dict[str, Inputs] | str:

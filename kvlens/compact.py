@@ -20,16 +20,19 @@ it a hidden sidecar (``.<name>.sources``) lists the segments it replaced, each a
 incremental state records a segment (path under the lake, size, modification time, oldest and
 newest row time): ``kvlens analyze`` reads a merged segment as those segments
 (analyzers/incremental.py), so a compaction neither rebuilds the analysis nor changes a row of
-it. The sidecar of a merged segment of the current day that is merged again is carried into the
-new one. A closed day's merged segment is different: once an analysis has read it as its
-sources, the analysis records it as itself (``unit``), and a later merge of its day (a late
-segment) lists it so; what a scenario's state lists stays a few records per closed day and
-writer rather than every flush the lake keeps (a gateway flushing every second: 86,400 a day).
+it. A merged segment that is merged again is listed in the new sidecar as itself (``unit``: its
+path, size, mtime and its rows' times), its own sidecar's record nested in it. An analysis
+records a merged segment as itself once its rows are settled (a closed day's, or older than the
+window whose write times the late lag reads: analyzers/incremental.py), and finds it so in a
+later merge: what a scenario's state lists stays a few records per day and writer, plus the
+last hours' flushes, not every flush the lake keeps (a gateway flushing every second: 86,400 a
+day, and the state is written and read back by every analysis).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import fcntl
 import json
@@ -42,6 +45,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -60,7 +64,9 @@ log = logging.getLogger(__name__)
 # The current day's merges stop at this size: a writer's day is a few files of about this size,
 # and a merge rewrites at most this much of it.
 TARGET_BYTES = 64 * 1024 * 1024
-_SIDECAR_VERSION = 1
+# 2: a merged source is listed as itself (``unit``) with its own sidecar's record nested in it;
+# 1 (still read): every original segment, flattened.
+_SIDECAR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,8 @@ class Source:
     mtime_ns: int
     oldest_ns: int | None
     newest_ns: int | None
-    # A closed day's merged segment, recorded as itself (``unit``): its oldest and newest row are its
-    # sources', and its modification time is the merge's, not when a collector wrote its rows.
+    # A merged segment recorded as itself (``unit``): its oldest and newest row are its sources', and
+    # its modification time is the merge's, not when a collector wrote its rows.
     merged: bool = False
 
 
@@ -91,20 +97,48 @@ def source_record(source: Source) -> dict[str, object]:
 @dataclass(frozen=True)
 class Merged:
     """A merged segment's sidecar: its own size (a sidecar of another file is ignored), the
-    segments it replaced, in name order, and whether it merged a closed day (``closed``: then it
-    is recorded as itself once an analysis has read it, ``unit``)."""
+    segments it replaced, in name order (a merged one as itself, ``unit``, with its own record in
+    ``within``; None for the others), and whether it merged a closed day (``closed``)."""
 
     size: int
     sources: tuple[Source, ...]
     closed: bool = False
+    within: tuple[Merged | None, ...] = ()
+
+    def inner(self) -> tuple[Merged | None, ...]:
+        """``within``, one per source (all None: a version-1 sidecar's flattened originals)."""
+        return self.within or (None,) * len(self.sources)
+
+    def originals(self) -> list[Source]:
+        """The original segments (each a collector's flush) its rows came from, in order."""
+        out: list[Source] = []
+        for source, nested in zip(self.sources, self.inner(), strict=True):
+            out.extend([source] if nested is None else nested.originals())
+        return out
+
+
+def _merged_record(merged: Merged) -> dict[str, object]:
+    return {"size": merged.size, "closed": merged.closed,
+            "sources": [{**source_record(s), **({"within": _merged_record(m)} if m is not None else {})}
+                        for s, m in zip(merged.sources, merged.inner(), strict=True)]}
+
+
+def _merged_of(record: dict[str, Any]) -> Merged:
+    sources, within = [], []
+    for entry in record["sources"]:
+        nested = entry.pop("within", None)
+        sources.append(Source(**entry))
+        within.append(None if nested is None else _merged_of(nested))
+    return Merged(int(record["size"]), tuple(sources), bool(record.get("closed", False)),
+                  tuple(within) if any(m is not None for m in within) else ())
 
 
 def unit(path: str, size: int, mtime_ns: int, sources: Iterable[Source]) -> Source:
-    """A closed day's merged segment as one record, its rows' times those of ``sources`` (the
-    segments its sidecar lists). A scenario's inputs list it so once an analysis has read it as
-    its sources (analyzers/incremental.py), and a later merge of the day (a late segment) lists it
-    so among its sources: what a scenario records stays a few records per closed day and writer,
-    not one per flush of the day (a collector's every few seconds: tens of thousands)."""
+    """A merged segment as one record, its rows' times those of ``sources`` (the segments its
+    sidecar lists). A merge that replaces it lists it so, with its sidecar's record nested
+    (``Merged.within``), and an analysis records it so once its rows are settled
+    (analyzers/incremental.py): what a scenario records stays a few records per day and writer,
+    not one per flush (a collector's every few seconds: tens of thousands a day)."""
     listed = list(sources)
     oldest = [s.oldest_ns for s in listed if s.oldest_ns is not None]
     newest = [s.newest_ns for s in listed if s.newest_ns is not None]
@@ -124,15 +158,14 @@ def _read_sidecar(segment: Path) -> Merged | None:
     path = sidecar(segment)
     try:
         record = json.loads(path.read_text())
-        merged = Merged(int(record["size"]), tuple(Source(**s) for s in record["sources"]),
-                        bool(record.get("closed", False)))
+        merged = _merged_of(record)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError) as e:
         log.warning("segment %s: its list of merged segments %s does not read (%s); read as a segment "
                     "of its own", segment, path.name, e)
         return None
-    if int(record.get("version", 0)) != _SIDECAR_VERSION or merged.size != segment.stat().st_size:
+    if int(record.get("version", 0)) not in (1, _SIDECAR_VERSION) or merged.size != segment.stat().st_size:
         return None
     return merged
 
@@ -176,23 +209,23 @@ def merged_segments(lake: str | os.PathLike[str]) -> MergedSegments:
     return MergedSegments(Path(lake))
 
 
-def _sources(root: Path, files: Iterable[Path], table: Table) -> list[Source]:
-    """The segments ``files`` replace, as recorded: a merged one's from its sidecar (a closed day's
-    as itself, ``unit``), the others as they are."""
+def _sources(root: Path, files: Iterable[Path], table: Table, closed: bool) -> Merged:
+    """The record of a merge of ``files`` (its size unset): each as recorded, a merged one as
+    itself (``unit``) with its sidecar's record nested."""
     out: list[Source] = []
+    within: list[Merged | None] = []
     for f in files:
         merged = _read_sidecar(f)
         if merged is not None:
-            if merged.closed:
-                st = f.stat()
-                out.append(unit(str(f.relative_to(root)), st.st_size, st.st_mtime_ns, merged.sources))
-            else:
-                out.extend(merged.sources)
+            st = f.stat()
+            out.append(unit(str(f.relative_to(root)), st.st_size, st.st_mtime_ns, merged.sources))
+            within.append(merged)
             continue
+        within.append(None)
         st = f.stat()
         oldest, newest = segment_time_range(f, table.time_column)
         out.append(Source(str(f.relative_to(root)), st.st_size, st.st_mtime_ns, oldest, newest))
-    return out
+    return Merged(0, tuple(out), closed, tuple(within) if any(m is not None for m in within) else ())
 
 
 def _write_merged(root: Path, files: list[Path], table: Table, stage: Path,
@@ -200,7 +233,7 @@ def _write_merged(root: Path, files: list[Path], table: Table, stage: Path,
     """``files`` (name order) merged into ``stage`` under the newest one's name, with its metadata,
     and its sidecar beside it (``closed``: a closed day's merge): (segment, sidecar), staged."""
     parts = [read_segment(f, arrow_schema(table)) for f in files]  # (a damaged one: named, moved aside)
-    sources = _sources(root, files, table)
+    record = _sources(root, files, table, closed)
     last_meta = segment_schema(files[-1]).metadata or {}
     out = stage / files[-1].name
     with open(out, "wb") as f:
@@ -209,8 +242,8 @@ def _write_merged(root: Path, files: list[Path], table: Table, stage: Path,
         os.fsync(f.fileno())
     side = sidecar(out)
     with open(side, "w") as text:
-        json.dump({"version": _SIDECAR_VERSION, "size": out.stat().st_size, "closed": closed,
-                   "sources": [source_record(s) for s in sources]}, text)
+        json.dump({"version": _SIDECAR_VERSION,
+                   **_merged_record(dataclasses.replace(record, size=out.stat().st_size))}, text)
         text.flush()
         os.fsync(text.fileno())
     return out, side

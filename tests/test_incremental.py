@@ -329,6 +329,37 @@ def test_a_closed_days_merged_segment_is_recorded_as_itself(source: Path, tmp_pa
     assert_same_db(db, full)
 
 
+def test_settled_merged_segments_of_the_current_day_are_recorded_as_themselves(
+        source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the current day, a merged segment whose newest row is older than the watermark less
+    LATE_SEEN_NS (the window whose segments' write times late_lag reads) is recorded as itself; a
+    later merge lists it so, its own list nested, and the next analysis continues from it. (Here
+    the window is 1 ns: every merged segment but the newest is settled.)"""
+    from kvlens.compact import compact, merged_segments
+
+    monkeypatch.setattr(incremental, "LATE_SEEN_NS", 1)
+    lake, db, full = tmp_path / "lake", tmp_path / "incr.duckdb", tmp_path / "full.duckdb"
+    bounds = time_bounds(source, 6)
+    for k in range(2):
+        cut(source, lake, None if k == 0 else bounds[k], bounds[k + 1], writer="live", scenarios=["rr2"])
+    analyze_lake(lake, db)
+    flushes = len(_recorded(db, "rr2"))
+    compact(lake, today="1970-01-02", current=True)
+    assert _modes(analyze_lake(lake, db)) == {"rr2": "carried"}
+    settled = [r for r in _recorded(db, "rr2") if r.get("merged")]
+    assert settled and len(_recorded(db, "rr2")) < flushes
+    for k in range(2, 6):  # as many new flushes as the merged ones held, and more: merged with them
+        cut(source, lake, bounds[k], bounds[k + 1], writer="live", scenarios=["rr2"])
+    compact(lake, today="1970-01-02", current=True)
+    nested = [m for m in merged_segments(lake).values() if any(s.merged for s in m.sources)]
+    assert nested and all(m.within for m in nested)
+    result = analyze_lake(lake, db)
+    assert _modes(result) == {"rr2": "appended"}
+    assert "ledger continued from its checkpoint" in result.modes[0][2], result.modes
+    analyze_lake(lake, full, full=True)
+    assert_same_db(db, full)
+
+
 def test_a_changed_model_or_gone_segment_rebuilds(tiny: Path, tmp_path: Path) -> None:
     lake, db = tmp_path / "lake", tmp_path / "incr.duckdb"
     shutil.copytree(tiny, lake)

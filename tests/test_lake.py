@@ -372,12 +372,17 @@ def test_compact_today_merges_each_writers_run_keeping_order_rows_and_checkpoint
         assert [s.size for s in m.sources] == [sizes[Path(s.path).name] for s in m.sources]
         assert all(s.oldest_ns == s.newest_ns for s in m.sources)  # one row each, timed
         assert sidecar(f).exists() and not sidecar(f).name.endswith(".parquet")
-    # more flushes, as large together as the merged one: merged again; the sidecar lists every
-    # original segment, not the merged one
+    # more flushes, as large together as the merged one: merged again; the sidecar lists the merged
+    # one as itself, its own list nested in it, and the 5 new ones: 10 original segments
+    first = merged[str(files[0].relative_to(tmp_path))]
     _flushes(tmp_path, "a", 5, start=5)
     assert compact(tmp_path, today="1970-02-10", current=True)["segments_replaced"] == 6
     (a,) = [f for f in segment_files(tmp_path, "kv_events") if f.name.startswith("a-")]
-    assert len(merged_segments(tmp_path)[str(a.relative_to(tmp_path))].sources) == 10
+    again = merged_segments(tmp_path)[str(a.relative_to(tmp_path))]
+    assert len(again.sources) == 6 and again.inner()[0] == first and again.sources[0].merged
+    assert (again.sources[0].oldest_ns, again.sources[0].newest_ns) == (
+        min(s.oldest_ns or 0 for s in first.sources), max(s.newest_ns or 0 for s in first.sources))
+    assert len(again.originals()) == 10 and again.originals()[:5] == list(first.sources)
     assert len(list((tmp_path / "kv_events").rglob(".a-*.sources"))) == 1  # the old sidecar went too
     assert _scan(tmp_path) == before[:5] + [("a", i) for i in range(5, 10)] + before[5:]
     assert latest_checkpoint(tmp_path, "a") == {"seq": 9}
