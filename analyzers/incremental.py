@@ -186,8 +186,8 @@ class Inputs:
     segments: tuple[Segment, ...]
     # the horizon the analysis of these inputs kept its states at (``horizon``), once analyzed
     horizon_ns: int | None = None
-    # what ``write_state`` records, where it differs from ``segments``: a closed day's merged segment
-    # as itself rather than the segments it replaced (``scenario_inputs``)
+    # what ``write_state`` records, where it differs from ``segments``: a settled merged segment as
+    # itself rather than the segments it replaced (``scenario_inputs``)
     recorded: tuple[Segment, ...] | None = None
 
     @property
