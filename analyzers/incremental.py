@@ -285,8 +285,8 @@ def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int,
             oldest, newest = segment_time_range(Path(lake) / path, table.time_column)
             picked.append(Segment(path, size, mtime, oldest, newest))
             items.append([picked[-1]])
-    mark = Inputs(config, tuple(picked)).watermark_ns
-    cutoff = None if mark is None else mark - LATE_SEEN_NS
+    now = Inputs(config, tuple(picked))
+    cutoff = None if now.watermark_ns is None else now.watermark_ns - LATE_SEEN_NS
     recorded: list[Segment] = []
     for item in items:
         if isinstance(item, list):
@@ -294,8 +294,8 @@ def scenario_inputs(lake: str | os.PathLike[str], segments: dict[str, tuple[int,
         else:
             itself, replaced = item
             recorded.extend([itself] if replaced.closed or _settled(itself, cutoff)
-                            else _settled_as_units(replaced, seen, cutoff))
-    return Inputs(config, tuple(picked), recorded=tuple(recorded) if recorded != picked else None)
+                            else _as_known(replaced, seen, settle=True, cutoff=cutoff))
+    return now if recorded == picked else dataclasses.replace(now, recorded=tuple(recorded))
 
 
 def _known_unit(source: Segment, seen: Mapping[str, Segment]) -> Segment | None:
@@ -308,30 +308,20 @@ def _settled(source: Segment, cutoff: int | None) -> bool:
     return cutoff is not None and source.newest_ns is not None and source.newest_ns < cutoff
 
 
-def _as_known(replaced: Merged, seen: Mapping[str, Segment]) -> list[Segment]:
+def _as_known(replaced: Merged, seen: Mapping[str, Segment], *, settle: bool = False,
+              cutoff: int | None = None) -> list[Segment]:
     """The segments a merged segment replaced, each merged one as itself where ``seen`` recorded
-    it so, else as the segments it replaced in turn."""
+    it so (or, with ``settle``, where it is settled: ``scenario_inputs``), else as the segments it
+    replaced in turn."""
     out: list[Segment] = []
     for source, nested in zip(replaced.sources, replaced.inner(), strict=True):
         if nested is None:
             out.append(source)
-        else:
-            itself = _known_unit(source, seen)
-            out.extend([itself] if itself is not None else _as_known(nested, seen))
-    return out
-
-
-def _settled_as_units(replaced: Merged, seen: Mapping[str, Segment], cutoff: int | None) -> list[Segment]:
-    """``_as_known``, with every merged one that is settled (``scenario_inputs``) as itself."""
-    out: list[Segment] = []
-    for source, nested in zip(replaced.sources, replaced.inner(), strict=True):
-        if nested is None:
-            out.append(source)
-        else:
-            itself = _known_unit(source, seen)
-            if itself is None and (nested.closed or _settled(source, cutoff)):
-                itself = source
-            out.extend([itself] if itself is not None else _settled_as_units(nested, seen, cutoff))
+            continue
+        itself = _known_unit(source, seen)
+        if itself is None and settle and (nested.closed or _settled(source, cutoff)):
+            itself = source
+        out.extend([itself] if itself is not None else _as_known(nested, seen, settle=settle, cutoff=cutoff))
     return out
 
 

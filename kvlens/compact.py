@@ -176,7 +176,6 @@ class MergedSegments(Mapping[str, Merged]):
     recorded as themselves: a lake kept 30 days holds the sidecars of every closed day)."""
 
     def __init__(self, root: Path) -> None:
-        self._root = root
         self._paths = {}
         for table in LAKE_TABLES:
             for path in sorted((root / table.name).glob("scenario=*/date=*/.*.sources")):
@@ -215,16 +214,13 @@ def _sources(root: Path, files: Iterable[Path], table: Table, closed: bool) -> M
     out: list[Source] = []
     within: list[Merged | None] = []
     for f in files:
-        merged = _read_sidecar(f)
+        merged, st, path = _read_sidecar(f), f.stat(), str(f.relative_to(root))
+        within.append(merged)
         if merged is not None:
-            st = f.stat()
-            out.append(unit(str(f.relative_to(root)), st.st_size, st.st_mtime_ns, merged.sources))
-            within.append(merged)
-            continue
-        within.append(None)
-        st = f.stat()
-        oldest, newest = segment_time_range(f, table.time_column)
-        out.append(Source(str(f.relative_to(root)), st.st_size, st.st_mtime_ns, oldest, newest))
+            out.append(unit(path, st.st_size, st.st_mtime_ns, merged.sources))
+        else:
+            oldest, newest = segment_time_range(f, table.time_column)
+            out.append(Source(path, st.st_size, st.st_mtime_ns, oldest, newest))
     return Merged(0, tuple(out), closed, tuple(within) if any(m is not None for m in within) else ())
 
 
